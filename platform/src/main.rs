@@ -1,0 +1,151 @@
+//! The `bulkhead` command: serve, node, check, models.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use bulkhead_runtime::models::fetch::{BUNDLED, default_cache_dir, fetch_all};
+use bulkhead_runtime::node::{Node, NodeConfig, Role};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "bulkhead",
+    version,
+    about = "Multi-tenant edge inference platform"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run an inference node serving its models over the node API.
+    Node(NodeArgs),
+    /// Pre-deployment check of a node configuration: exits non-zero, with the numbers, when a
+    /// KV pool is smaller than a served model's context window times the safety factor.
+    Check {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Manage the local model cache.
+    Models {
+        #[command(subcommand)]
+        command: ModelsCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum ModelsCommand {
+    /// Fetch the bundled models into the cache ($BULKHEAD_MODELS).
+    Fetch,
+}
+
+#[derive(clap::Args)]
+struct NodeArgs {
+    /// Node configuration (TOML); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long)]
+    role: Option<Role>,
+    #[arg(long, env = "BULKHEAD_NODE_LISTEN", default_value = "127.0.0.1:8788")]
+    listen: SocketAddr,
+    /// KV pool capacity in tokens per text model.
+    #[arg(long)]
+    pool_tokens: Option<usize>,
+    /// Minimum ratio of pool tokens to a model's context window (at least 1.0).
+    #[arg(long)]
+    safety_factor: Option<f64>,
+    /// Serve the text model with this context window (at most the model's own).
+    #[arg(long)]
+    context_window: Option<usize>,
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Models {
+            command: ModelsCommand::Fetch,
+        } => fetch_all(&default_cache_dir()),
+        Command::Check { config } => check(&config),
+        Command::Node(args) => run_node(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn load_config(path: Option<&PathBuf>) -> anyhow::Result<NodeConfig> {
+    match path {
+        None => Ok(NodeConfig::default()),
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            NodeConfig::from_toml(&text).with_context(|| format!("parsing {}", p.display()))
+        }
+    }
+}
+
+fn check(path: &PathBuf) -> anyhow::Result<()> {
+    let cfg = load_config(Some(path))?;
+    // Windows of the bundled models, so a config may omit them.
+    let windows = [(bulkhead_runtime::node::SMOLLM2_NAME.to_string(), 8192usize)].into();
+    bulkhead_runtime::node::check_config(&cfg, &windows)?;
+    println!(
+        "ok: every KV pool fits its models' context windows x {}",
+        cfg.safety_factor
+    );
+    Ok(())
+}
+
+fn run_node(args: NodeArgs) -> anyhow::Result<()> {
+    let mut cfg = load_config(args.config.as_ref())?;
+    if let Some(r) = args.role {
+        cfg.role = r;
+    }
+    if let Some(t) = args.pool_tokens {
+        cfg.pool_tokens = Some(t);
+    }
+    if let Some(f) = args.safety_factor {
+        cfg.safety_factor = f;
+    }
+    if let Some(w) = args.context_window {
+        for m in &mut cfg.text_models {
+            m.context_window = Some(w);
+        }
+    }
+    // The bundled defaults fetch themselves on first run.
+    let cache = cfg.models_dir();
+    if BUNDLED.iter().any(|p| !p.is_present(&cache)) {
+        fetch_all(&cache)?;
+    }
+    let node = Arc::new(Node::start(&cfg)?);
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("binding {}", args.listen))?;
+        tracing::info!(
+            "node ({:?}) listening on http://{}",
+            cfg.role,
+            listener.local_addr()?
+        );
+        bulkhead_runtime::server::serve(node, listener, async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+        Ok(())
+    })
+}

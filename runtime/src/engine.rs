@@ -1,0 +1,624 @@
+//! The generation engine of one text model: a bounded wait queue, admission against the KV
+//! pool, and continuous batching.
+//!
+//! `Engine::submit` runs on the caller's thread: it tokenizes and applies every admission
+//! check, so a request that cannot be served fails before it is queued. The engine thread
+//! then reserves pages for `prompt + max_tokens` (all or nothing, FIFO), and steps all
+//! running sequences together: each step carries one decode token per decoding sequence
+//! plus prefill chunks of new ones, so long prompts never stall decoding streams.
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use crate::admission::check_generation;
+use crate::error::RuntimeError;
+use crate::kv::{KvPool, Owner, SeqKv};
+use crate::metrics::{NodeMetrics, label};
+use crate::models::llama::{LlamaModel, StepSegment};
+use crate::models::tokenizer::{ChatMessage, TextTokenizer};
+use crate::sampling::{Piece, Sampler, SamplingParams, TextStream};
+
+/// A text model ready to serve: weights, tokenizer, and the window it is served with.
+pub struct TextModel {
+    pub name: String,
+    pub llama: LlamaModel,
+    pub tokenizer: TextTokenizer,
+    /// The served context window (at most the model's own).
+    pub context_window: usize,
+    /// System turn put first when a request brings none (see `TextModelConfig`).
+    pub default_system_prompt: Option<String>,
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct EngineConfig {
+    /// Requests that may wait for KV capacity at once; more are refused as overload.
+    pub max_queue: usize,
+    /// How long a request may wait for KV capacity.
+    pub queue_timeout_ms: u64,
+    /// Sequences generating at once.
+    pub max_running: usize,
+    /// Tokens in one step, all sequences together.
+    pub step_token_budget: usize,
+    /// Longest prefill chunk of one sequence in one step.
+    pub prefill_chunk: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_queue: 64,
+            queue_timeout_ms: 10_000,
+            max_running: 32,
+            step_token_budget: 256,
+            prefill_chunk: 128,
+        }
+    }
+}
+
+/// How the prompt is given.
+#[derive(Debug, Clone)]
+pub enum PromptInput {
+    /// A prompt; wrapped in the chat template as a user turn unless `raw`.
+    Text {
+        prompt: String,
+        raw: bool,
+    },
+    Messages(Vec<ChatMessage>),
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub tenant: String,
+    pub input: PromptInput,
+    pub params: SamplingParams,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+/// What a submitted request produces, in order: `Admitted`, then `Token`s, then exactly one
+/// of `Done` or `Error`.
+#[derive(Debug, Clone)]
+pub enum GenEvent {
+    Admitted {
+        prompt_tokens: usize,
+    },
+    Token {
+        text: String,
+    },
+    Done {
+        usage: Usage,
+        finish_reason: FinishReason,
+    },
+    Error(RuntimeError),
+}
+
+struct Job {
+    owner: Owner,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    events: UnboundedSender<GenEvent>,
+    deadline: Instant,
+}
+
+struct Running {
+    owner: Owner,
+    kv: SeqKv,
+    prompt: Vec<u32>,
+    prefilled: usize,
+    generated: Vec<u32>,
+    params: SamplingParams,
+    sampler: Sampler,
+    text: TextStream,
+    events: UnboundedSender<GenEvent>,
+    admitted_at: Instant,
+    last_token_at: Option<Instant>,
+}
+
+pub struct Engine {
+    model: Arc<TextModel>,
+    pool: Arc<KvPool>,
+    cfg: EngineConfig,
+    metrics: Arc<NodeMetrics>,
+    jobs: mpsc::Sender<Job>,
+    queued: Arc<AtomicUsize>,
+    running: Arc<AtomicUsize>,
+    next_request: AtomicU64,
+}
+
+/// A submitted request's event stream, with its node-unique request number.
+pub struct Submission {
+    pub request: u64,
+    pub prompt_tokens: usize,
+    pub events: UnboundedReceiver<GenEvent>,
+}
+
+impl Engine {
+    pub fn start(
+        model: Arc<TextModel>,
+        pool: Arc<KvPool>,
+        cfg: EngineConfig,
+        metrics: Arc<NodeMetrics>,
+    ) -> Arc<Engine> {
+        let (tx, rx) = mpsc::channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let running = Arc::new(AtomicUsize::new(0));
+        let mut worker = Worker {
+            model: model.clone(),
+            pool: pool.clone(),
+            cfg: cfg.clone(),
+            metrics: metrics.clone(),
+            jobs: rx,
+            queued: queued.clone(),
+            running_count: running.clone(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+        };
+        std::thread::Builder::new()
+            .name(format!("engine-{}", model.name))
+            .spawn(move || worker.run())
+            .expect("spawn engine thread");
+        Arc::new(Engine {
+            model,
+            pool,
+            cfg,
+            metrics,
+            jobs: tx,
+            queued,
+            running,
+            next_request: AtomicU64::new(1),
+        })
+    }
+
+    pub fn model(&self) -> &TextModel {
+        &self.model
+    }
+    pub fn pool(&self) -> &Arc<KvPool> {
+        &self.pool
+    }
+    pub fn queue_depth(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::Relaxed)
+    }
+
+    /// The prompt as the model will see it, tokenized.
+    pub fn tokenize_prompt(&self, input: &PromptInput) -> Result<Vec<u32>, RuntimeError> {
+        let tok = &self.model.tokenizer;
+        let with_system = |mut messages: Vec<ChatMessage>| {
+            if let Some(system) = &self.model.default_system_prompt
+                && messages.first().is_none_or(|m| m.role != "system")
+            {
+                messages.insert(
+                    0,
+                    ChatMessage {
+                        role: "system".into(),
+                        content: system.clone(),
+                    },
+                );
+            }
+            messages
+        };
+        let text = match input {
+            PromptInput::Text { prompt, .. } if prompt.trim().is_empty() => {
+                return Err(crate::error::AdmissionError::EmptyPrompt.into());
+            }
+            PromptInput::Text { prompt, raw: true } => prompt.clone(),
+            PromptInput::Text { prompt, raw: false } => {
+                tok.apply_chat_template(&with_system(vec![ChatMessage {
+                    role: "user".into(),
+                    content: prompt.clone(),
+                }]))?
+            }
+            PromptInput::Messages(messages) => {
+                if messages.is_empty() {
+                    return Err(RuntimeError::BadInput("messages must not be empty".into()));
+                }
+                if let Some(m) = messages
+                    .iter()
+                    .find(|m| !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool"))
+                {
+                    return Err(RuntimeError::BadInput(format!(
+                        "unknown message role {:?}",
+                        m.role
+                    )));
+                }
+                tok.apply_chat_template(&with_system(messages.clone()))?
+            }
+        };
+        tok.encode(&text)
+    }
+
+    /// Check and queue a request. Every admission error is returned here, before any page is
+    /// reserved; a queued request then gets `Admitted` or a retryable overload error.
+    pub fn submit(&self, req: GenerateRequest) -> Result<Submission, RuntimeError> {
+        let name = &self.model.name;
+        let result = self.check_and_queue(req);
+        if let Err(e) = &result {
+            self.metrics.reject(name, e.code());
+        }
+        result
+    }
+
+    fn check_and_queue(&self, req: GenerateRequest) -> Result<Submission, RuntimeError> {
+        req.params.validate()?;
+        let prompt = self.tokenize_prompt(&req.input)?;
+        check_generation(
+            prompt.len(),
+            req.params.max_tokens,
+            self.model.context_window,
+            self.pool.capacity_tokens(),
+        )?;
+        if self.queued.load(Ordering::Relaxed) >= self.cfg.max_queue {
+            return Err(RuntimeError::Overloaded {
+                reason: format!(
+                    "{} requests already wait for KV capacity",
+                    self.cfg.max_queue
+                ),
+                retry_after_s: 1,
+            });
+        }
+        let request = self.next_request.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = unbounded_channel();
+        let prompt_tokens = prompt.len();
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        let job = Job {
+            owner: Owner {
+                tenant: req.tenant.into(),
+                request,
+            },
+            prompt,
+            params: req.params,
+            events: tx,
+            deadline: Instant::now() + Duration::from_millis(self.cfg.queue_timeout_ms),
+        };
+        if self.jobs.send(job).is_err() {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+            return Err(RuntimeError::Internal("the engine has stopped".into()));
+        }
+        Ok(Submission {
+            request,
+            prompt_tokens,
+            events: rx,
+        })
+    }
+}
+
+struct Worker {
+    model: Arc<TextModel>,
+    pool: Arc<KvPool>,
+    cfg: EngineConfig,
+    metrics: Arc<NodeMetrics>,
+    jobs: mpsc::Receiver<Job>,
+    queued: Arc<AtomicUsize>,
+    running_count: Arc<AtomicUsize>,
+    waiting: VecDeque<Job>,
+    running: Vec<Running>,
+}
+
+impl Worker {
+    fn run(&mut self) {
+        loop {
+            if !self.intake() {
+                return;
+            }
+            self.expire_waiting();
+            self.admit();
+            self.drop_cancelled();
+            self.publish_gauges();
+            if !self.running.is_empty() {
+                self.step();
+            }
+        }
+    }
+
+    /// Take new jobs; block when idle. False when every `Engine` handle is gone.
+    fn intake(&mut self) -> bool {
+        if self.running.is_empty() {
+            let job = if self.waiting.is_empty() {
+                match self.jobs.recv() {
+                    Ok(j) => Some(j),
+                    Err(_) => return false,
+                }
+            } else {
+                // Waiting but nothing running: the head waits on pages held elsewhere
+                // (a transfer). Poll briefly rather than spin.
+                self.jobs.recv_timeout(Duration::from_millis(5)).ok()
+            };
+            self.waiting.extend(job);
+        }
+        while let Ok(j) = self.jobs.try_recv() {
+            self.waiting.push_back(j);
+        }
+        true
+    }
+
+    fn expire_waiting(&mut self) {
+        let now = Instant::now();
+        let mut kept = VecDeque::with_capacity(self.waiting.len());
+        for job in self.waiting.drain(..) {
+            if job.events.is_closed() {
+                self.queued.fetch_sub(1, Ordering::Relaxed);
+            } else if now >= job.deadline {
+                self.queued.fetch_sub(1, Ordering::Relaxed);
+                self.metrics.reject(&self.model.name, "queue_timeout");
+                let _ = job.events.send(GenEvent::Error(RuntimeError::Overloaded {
+                    reason: format!("no KV capacity within {} ms", self.cfg.queue_timeout_ms),
+                    retry_after_s: 1,
+                }));
+            } else {
+                kept.push_back(job);
+            }
+        }
+        self.waiting = kept;
+    }
+
+    /// Admit waiting jobs in arrival order while their full need fits.
+    fn admit(&mut self) {
+        while self.running.len() < self.cfg.max_running {
+            let Some(job) = self.waiting.front() else {
+                break;
+            };
+            let need = job.prompt.len() + job.params.max_tokens;
+            let Ok(reservation) = self.pool.try_reserve(need) else {
+                break;
+            };
+            let job = self.waiting.pop_front().expect("front exists");
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+            let kv = self.pool.open(job.owner.clone(), reservation);
+            let _ = job.events.send(GenEvent::Admitted {
+                prompt_tokens: job.prompt.len(),
+            });
+            self.running.push(Running {
+                owner: job.owner,
+                kv,
+                prefilled: 0,
+                generated: Vec::with_capacity(job.params.max_tokens),
+                sampler: Sampler::new(&job.params),
+                text: TextStream::new(job.params.stop.clone()),
+                params: job.params,
+                prompt: job.prompt,
+                events: job.events,
+                admitted_at: Instant::now(),
+                last_token_at: None,
+            });
+        }
+        self.running_count
+            .store(self.running.len(), Ordering::Relaxed);
+    }
+
+    /// Client gone: stop the sequence and release its pages (between steps).
+    fn drop_cancelled(&mut self) {
+        let pool = &self.pool;
+        self.running.retain_mut(|r| {
+            if r.events.is_closed() {
+                tracing::debug!(request = r.owner.request, "client gone; cancelling");
+                pool.release(&mut r.kv);
+                false
+            } else {
+                true
+            }
+        });
+        self.running_count
+            .store(self.running.len(), Ordering::Relaxed);
+    }
+
+    fn publish_gauges(&self) {
+        let l = label(&self.model.name);
+        let s = self.pool.stats();
+        self.metrics
+            .kv_pages_total
+            .get_or_create(&l)
+            .set(s.pages_total as i64);
+        self.metrics
+            .kv_pages_free
+            .get_or_create(&l)
+            .set(s.pages_free as i64);
+        self.metrics
+            .kv_pages_reserved
+            .get_or_create(&l)
+            .set(s.pages_reserved as i64);
+        self.metrics
+            .queue_depth
+            .get_or_create(&l)
+            .set(self.waiting.len() as i64);
+        self.metrics
+            .running
+            .get_or_create(&l)
+            .set(self.running.len() as i64);
+        let counter = self.metrics.isolation_violations.get_or_create(&l);
+        let seen = counter.get();
+        let now = self.pool.isolation_violations();
+        if now > seen {
+            counter.inc_by(now - seen);
+        }
+    }
+
+    /// One batched step: decode tokens first, then prefill chunks within the token budget.
+    fn step(&mut self) {
+        let mut budget = self.cfg.step_token_budget.max(1);
+        // (index in running, token range within prompt, or None for a decode token)
+        let mut plan: Vec<(usize, Option<(usize, usize)>)> = Vec::new();
+        for (i, r) in self.running.iter().enumerate() {
+            if r.prefilled == r.prompt.len() && budget > 0 {
+                plan.push((i, None));
+                budget -= 1;
+            }
+        }
+        for (i, r) in self.running.iter().enumerate() {
+            if r.prefilled < r.prompt.len() && budget > 0 {
+                let n = (r.prompt.len() - r.prefilled)
+                    .min(self.cfg.prefill_chunk)
+                    .min(budget);
+                plan.push((i, Some((r.prefilled, r.prefilled + n))));
+                budget -= n;
+            }
+        }
+        plan.sort_by_key(|(i, _)| *i);
+        let model = &self.model.llama;
+        let pool = &*self.pool;
+        let mut segments: Vec<StepSegment<'_>> = Vec::with_capacity(plan.len());
+        let mut planned = plan.iter().peekable();
+        for (i, r) in self.running.iter_mut().enumerate() {
+            let Some((_, range)) = planned.next_if(|(j, _)| *j == i) else {
+                continue;
+            };
+            let (tokens, want_logits) = match range {
+                Some((a, b)) => (&r.prompt[*a..*b], *b == r.prompt.len()),
+                None => (&r.generated[r.generated.len() - 1..], true),
+            };
+            segments.push(StepSegment {
+                seq: &mut r.kv,
+                tokens,
+                want_logits,
+            });
+        }
+        let outcome =
+            std::panic::catch_unwind(AssertUnwindSafe(|| model.forward_step(pool, &mut segments)));
+        drop(segments);
+        let results = match outcome {
+            Ok(Ok(results)) => results.into_iter().map(Some).collect::<Vec<_>>(),
+            Ok(Err(e)) => {
+                tracing::error!("step failed: {e}");
+                plan.iter().map(|_| Some(Err(e.clone()))).collect()
+            }
+            Err(_) => {
+                tracing::error!("step panicked");
+                plan.iter()
+                    .map(|_| Some(Err(RuntimeError::Internal("model step panicked".into()))))
+                    .collect()
+            }
+        };
+        let mut finished: Vec<(usize, Option<RuntimeError>, Option<FinishReason>)> = Vec::new();
+        for ((i, range), result) in plan.iter().zip(results) {
+            let r = &mut self.running[*i];
+            match result.expect("one result per segment") {
+                Err(e) => finished.push((*i, Some(e), None)),
+                Ok(logits) => {
+                    if let Some((_, b)) = range {
+                        r.prefilled = *b;
+                    }
+                    if let Some(logits) = logits {
+                        match Self::on_logits(&self.model, &self.metrics, r, logits) {
+                            Ok(None) => {}
+                            Ok(Some(reason)) => finished.push((*i, None, Some(reason))),
+                            Err(e) => finished.push((*i, Some(e), None)),
+                        }
+                    }
+                }
+            }
+        }
+        // Remove finished sequences back to front so indices stay valid.
+        finished.sort_by_key(|(i, _, _)| std::cmp::Reverse(*i));
+        for (i, err, reason) in finished {
+            let mut r = self.running.swap_remove(i);
+            self.pool.release(&mut r.kv);
+            let event = match (err, reason) {
+                (Some(e), _) => GenEvent::Error(e),
+                (None, reason) => {
+                    self.metrics
+                        .requests_completed
+                        .get_or_create(&label(&self.model.name))
+                        .inc();
+                    GenEvent::Done {
+                        usage: Usage {
+                            prompt_tokens: r.prompt.len(),
+                            completion_tokens: r.generated.len(),
+                            total_tokens: r.prompt.len() + r.generated.len(),
+                        },
+                        finish_reason: reason.unwrap_or(FinishReason::Stop),
+                    }
+                }
+            };
+            let _ = r.events.send(event);
+        }
+        self.running_count
+            .store(self.running.len(), Ordering::Relaxed);
+    }
+
+    /// Sample the next token and emit its text. `Some(reason)` when the sequence is done.
+    fn on_logits(
+        model: &TextModel,
+        metrics: &NodeMetrics,
+        r: &mut Running,
+        logits: Vec<f32>,
+    ) -> Result<Option<FinishReason>, RuntimeError> {
+        let mut context = Vec::with_capacity(r.prompt.len() + r.generated.len());
+        context.extend_from_slice(&r.prompt);
+        context.extend_from_slice(&r.generated);
+        let id = r.sampler.sample(logits, &context)?;
+        let now = Instant::now();
+        let l = label(&model.name);
+        match r.last_token_at {
+            None => metrics
+                .ttft_seconds
+                .get_or_create(&l)
+                .observe((now - r.admitted_at).as_secs_f64()),
+            Some(t) => metrics
+                .inter_token_seconds
+                .get_or_create(&l)
+                .observe((now - t).as_secs_f64()),
+        }
+        r.last_token_at = Some(now);
+        if model.tokenizer.is_stop(id) {
+            let rest = r.text.flush();
+            if !rest.is_empty() {
+                let _ = r.events.send(GenEvent::Token { text: rest });
+            }
+            return Ok(Some(FinishReason::Stop));
+        }
+        r.generated.push(id);
+        metrics.tokens_generated.get_or_create(&l).inc();
+        let full = model.tokenizer.decode(&r.generated)?;
+        match r.text.push(full) {
+            Piece::Text(t) => {
+                if !t.is_empty() {
+                    let _ = r.events.send(GenEvent::Token { text: t });
+                }
+            }
+            Piece::Stopped(t) => {
+                if !t.is_empty() {
+                    let _ = r.events.send(GenEvent::Token { text: t });
+                }
+                return Ok(Some(FinishReason::Stop));
+            }
+        }
+        if r.generated.len() >= r.params.max_tokens {
+            let rest = r.text.flush();
+            if !rest.is_empty() {
+                let _ = r.events.send(GenEvent::Token { text: rest });
+            }
+            return Ok(Some(FinishReason::Length));
+        }
+        Ok(None)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        for r in &mut self.running {
+            self.pool.release(&mut r.kv);
+            let _ = r.events.send(GenEvent::Error(RuntimeError::Internal(
+                "engine stopped".into(),
+            )));
+        }
+    }
+}

@@ -1,0 +1,8 @@
+//! The paged KV pool: the isolation core of a node.
+//!
+//! K/V of every running sequence live only here, in fixed-size pages. Each page carries an
+//! owner tag; each read and write checks it against the sequence that asks. See `pool.rs`.
+
+mod pool;
+
+pub use pool::{KvLayout, KvPool, Owner, POISON, PageRef, PoolFull, PoolStats, Reservation, SeqKv};

@@ -1,0 +1,627 @@
+//! Fixed-capacity pool of KV pages with owner tags, deferred release and poisoning.
+//!
+//! Invariants (checked by the property tests at the bottom and in `tests/kv_pool_props.rs`):
+//! - a page is handed to at most one owner at a time; its tag names that owner and the
+//!   allocation epoch, and every read or write compares the tag with the asking sequence;
+//! - a released page returns to the free list only when its last holder lets go (a running
+//!   step or a KV transfer can hold a page past its owner's release), and is poisoned first;
+//! - free pages are handed out first-in-first-out, so a just-freed page is the last reused;
+//! - capacity is reserved up front at admission: a sequence never runs out of pages midway.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::{Mutex, RwLock};
+
+use crate::error::RuntimeError;
+
+/// Value written over a page's contents when it is freed. A stale read that slipped past the
+/// tag check would surface as NaN logits, never as another tenant's data.
+pub const POISON: f32 = f32::NAN;
+
+/// Who a sequence is: the tenant and the node-unique request number.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Owner {
+    pub tenant: Arc<str>,
+    pub request: u64,
+}
+
+/// The owner tag a page carries while allocated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PageTag {
+    owner: Owner,
+    epoch: u64,
+}
+
+/// An entry of a block table: which page, and which allocation of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PageRef {
+    pub page: u32,
+    pub epoch: u64,
+}
+
+/// Shape of one token's K/V across the model: layers x (K and V) x kv_dim floats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub layers: usize,
+    /// n_kv_heads * head_dim
+    pub kv_dim: usize,
+}
+
+impl KvLayout {
+    pub fn bytes_per_token(&self) -> usize {
+        self.layers * 2 * self.kv_dim * std::mem::size_of::<f32>()
+    }
+}
+
+struct PageData {
+    tag: Option<PageTag>,
+    /// [layer][k=0|v=1][slot][kv_dim]
+    data: Box<[f32]>,
+}
+
+#[derive(Debug, Default, Clone)]
+struct PageState {
+    epoch: u64,
+    allocated: bool,
+    /// The owner's own hold plus any extra holders (transfers, readers).
+    holders: u32,
+}
+
+struct Meta {
+    free: VecDeque<u32>,
+    state: Vec<PageState>,
+    /// Pages promised to admitted sequences but not yet allocated.
+    reserved: usize,
+}
+
+/// Pool-level figures, as reported by `state` and `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PoolStats {
+    pub page_size: usize,
+    pub pages_total: usize,
+    pub pages_free: usize,
+    pub pages_reserved: usize,
+    pub capacity_tokens: usize,
+    pub isolation_violations: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("KV pool momentarily full: {wanted} pages wanted, {available} available")]
+pub struct PoolFull {
+    pub wanted: usize,
+    pub available: usize,
+}
+
+/// A promise of `pages` pages, taken at admission. Dropped unused pages go back to the pool
+/// through `KvPool::release`.
+#[derive(Debug)]
+pub struct Reservation {
+    pages: usize,
+}
+
+/// One sequence's view of the pool: its owner, its block table and how many tokens it holds.
+#[derive(Debug)]
+pub struct SeqKv {
+    owner: Owner,
+    table: Vec<PageRef>,
+    len: usize,
+    reservation: Reservation,
+    released: bool,
+}
+
+impl SeqKv {
+    pub fn owner(&self) -> &Owner {
+        &self.owner
+    }
+    /// Tokens whose K/V have been written.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn block_table(&self) -> &[PageRef] {
+        &self.table
+    }
+    /// Test hook for the forged-block-table test: replace an entry of the block table.
+    #[doc(hidden)]
+    pub fn forge_block_table_entry(&mut self, index: usize, page: PageRef) {
+        self.table[index] = page;
+    }
+    /// Test hook: append a forged entry to the block table.
+    #[doc(hidden)]
+    pub fn forge_block_table_entry_push(&mut self, page: PageRef) {
+        self.table.push(page);
+    }
+}
+
+pub struct KvPool {
+    layout: KvLayout,
+    page_size: usize,
+    pages: Vec<RwLock<PageData>>,
+    meta: Mutex<Meta>,
+    isolation_violations: AtomicU64,
+}
+
+impl std::fmt::Debug for KvPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvPool")
+            .field("layout", &self.layout)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl KvPool {
+    /// A pool of `pages` pages of `page_size` tokens each.
+    pub fn new(layout: KvLayout, page_size: usize, pages: usize) -> Self {
+        assert!(
+            page_size > 0 && pages > 0,
+            "pool needs at least one page of one token"
+        );
+        let floats = layout.layers * 2 * page_size * layout.kv_dim;
+        let pages_vec = (0..pages)
+            .map(|_| {
+                RwLock::new(PageData {
+                    tag: None,
+                    data: vec![POISON; floats].into_boxed_slice(),
+                })
+            })
+            .collect();
+        KvPool {
+            layout,
+            page_size,
+            pages: pages_vec,
+            meta: Mutex::new(Meta {
+                free: (0..pages as u32).collect(),
+                state: vec![PageState::default(); pages],
+                reserved: 0,
+            }),
+            isolation_violations: AtomicU64::new(0),
+        }
+    }
+
+    /// A pool holding at least `tokens` tokens (rounded up to whole pages).
+    pub fn with_capacity_tokens(layout: KvLayout, page_size: usize, tokens: usize) -> Self {
+        Self::new(layout, page_size, tokens.div_ceil(page_size).max(1))
+    }
+
+    /// How many tokens fit in a memory budget of `bytes`, rounded down to whole pages.
+    pub fn tokens_for_budget(layout: KvLayout, page_size: usize, bytes: usize) -> usize {
+        let page_bytes = layout.bytes_per_token() * page_size;
+        (bytes / page_bytes) * page_size
+    }
+
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+    pub fn capacity_tokens(&self) -> usize {
+        self.pages.len() * self.page_size
+    }
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.page_size)
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        let meta = self.meta.lock();
+        PoolStats {
+            page_size: self.page_size,
+            pages_total: self.pages.len(),
+            pages_free: meta.free.len(),
+            pages_reserved: meta.reserved,
+            capacity_tokens: self.capacity_tokens(),
+            isolation_violations: self.isolation_violations.load(Ordering::Relaxed),
+        }
+    }
+
+    pub fn isolation_violations(&self) -> u64 {
+        self.isolation_violations.load(Ordering::Relaxed)
+    }
+
+    /// Reserve room for `tokens` tokens. Fails (without side effects) when the free pages not
+    /// already promised to others are too few.
+    pub fn try_reserve(&self, tokens: usize) -> Result<Reservation, PoolFull> {
+        let wanted = self.pages_for(tokens);
+        let mut meta = self.meta.lock();
+        let available = meta.free.len().saturating_sub(meta.reserved);
+        if wanted > available {
+            return Err(PoolFull { wanted, available });
+        }
+        meta.reserved += wanted;
+        Ok(Reservation { pages: wanted })
+    }
+
+    /// Start a sequence on a reservation.
+    pub fn open(&self, owner: Owner, reservation: Reservation) -> SeqKv {
+        SeqKv {
+            owner,
+            table: Vec::new(),
+            len: 0,
+            reservation,
+            released: false,
+        }
+    }
+
+    /// Make room for `n` more tokens in `seq`, allocating pages from its reservation.
+    pub fn grow(&self, seq: &mut SeqKv, n: usize) -> Result<(), RuntimeError> {
+        if seq.released {
+            return Err(RuntimeError::Internal("grow on a released sequence".into()));
+        }
+        let need_pages = self.pages_for(seq.len + n);
+        while seq.table.len() < need_pages {
+            if seq.reservation.pages == 0 {
+                return Err(RuntimeError::Internal(format!(
+                    "sequence {} outgrew its reservation",
+                    seq.owner.request
+                )));
+            }
+            let mut meta = self.meta.lock();
+            let page = meta
+                .free
+                .pop_front()
+                .expect("a reservation guarantees a free page");
+            meta.reserved -= 1;
+            let state = &mut meta.state[page as usize];
+            debug_assert!(!state.allocated && state.holders == 0);
+            state.epoch += 1;
+            state.allocated = true;
+            state.holders = 1;
+            let epoch = state.epoch;
+            drop(meta);
+            self.pages[page as usize].write().tag = Some(PageTag {
+                owner: seq.owner.clone(),
+                epoch,
+            });
+            seq.reservation.pages -= 1;
+            seq.table.push(PageRef { page, epoch });
+        }
+        Ok(())
+    }
+
+    fn violation(&self, seq_owner: &Owner, page: PageRef, found: Option<&PageTag>) -> RuntimeError {
+        self.isolation_violations.fetch_add(1, Ordering::Relaxed);
+        let found = match found {
+            Some(t) => format!("owner request {} epoch {}", t.owner.request, t.epoch),
+            None => "a free page".to_string(),
+        };
+        tracing::error!(
+            request = seq_owner.request,
+            page = page.page,
+            "KV isolation violation: block table points at {found}"
+        );
+        RuntimeError::Isolation(format!(
+            "KV page {} is not owned by request {}",
+            page.page, seq_owner.request
+        ))
+    }
+
+    fn check_tag(
+        &self,
+        seq_owner: &Owner,
+        page: PageRef,
+        data: &PageData,
+    ) -> Result<(), RuntimeError> {
+        match &data.tag {
+            Some(tag) if tag.owner == *seq_owner && tag.epoch == page.epoch => Ok(()),
+            other => Err(self.violation(seq_owner, page, other.as_ref())),
+        }
+    }
+
+    fn offset(&self, layer: usize, kind: usize, slot: usize) -> usize {
+        ((layer * 2 + kind) * self.page_size + slot) * self.layout.kv_dim
+    }
+
+    /// Write K/V of `n` consecutive tokens starting at position `start` for one layer.
+    /// `k` and `v` are `[n, kv_dim]` row-major. Pages must already be allocated (`grow`).
+    pub fn write(
+        &self,
+        seq: &SeqKv,
+        layer: usize,
+        start: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), RuntimeError> {
+        let kv_dim = self.layout.kv_dim;
+        let n = k.len() / kv_dim;
+        debug_assert_eq!(k.len(), v.len());
+        let mut pos = start;
+        while pos < start + n {
+            let page_ref = *seq.table.get(pos / self.page_size).ok_or_else(|| {
+                RuntimeError::Internal(format!("position {pos} beyond the block table"))
+            })?;
+            let slot = pos % self.page_size;
+            let run = (self.page_size - slot).min(start + n - pos);
+            let mut page = self.pages[page_ref.page as usize].write();
+            self.check_tag(&seq.owner, page_ref, &page)?;
+            let src = (pos - start) * kv_dim..(pos - start + run) * kv_dim;
+            let ko = self.offset(layer, 0, slot);
+            page.data[ko..ko + run * kv_dim].copy_from_slice(&k[src.clone()]);
+            let vo = self.offset(layer, 1, slot);
+            page.data[vo..vo + run * kv_dim].copy_from_slice(&v[src]);
+            pos += run;
+        }
+        Ok(())
+    }
+
+    /// Record that `n` more tokens of `seq` are written in every layer.
+    pub fn commit(&self, seq: &mut SeqKv, n: usize) {
+        seq.len += n;
+        debug_assert!(seq.len <= seq.table.len() * self.page_size);
+    }
+
+    /// Copy K and V of positions `0..len` of one layer into `k_out` and `v_out`
+    /// (`[len, kv_dim]` each), checking every page's owner tag first.
+    pub fn read(
+        &self,
+        seq: &SeqKv,
+        layer: usize,
+        len: usize,
+        k_out: &mut Vec<f32>,
+        v_out: &mut Vec<f32>,
+    ) -> Result<(), RuntimeError> {
+        let kv_dim = self.layout.kv_dim;
+        k_out.clear();
+        v_out.clear();
+        let mut pos = 0;
+        while pos < len {
+            let page_ref = *seq.table.get(pos / self.page_size).ok_or_else(|| {
+                RuntimeError::Internal(format!("position {pos} beyond the block table"))
+            })?;
+            let run = self.page_size.min(len - pos);
+            let page = self.pages[page_ref.page as usize].read();
+            self.check_tag(&seq.owner, page_ref, &page)?;
+            let ko = self.offset(layer, 0, 0);
+            k_out.extend_from_slice(&page.data[ko..ko + run * kv_dim]);
+            let vo = self.offset(layer, 1, 0);
+            v_out.extend_from_slice(&page.data[vo..vo + run * kv_dim]);
+            pos += run;
+        }
+        Ok(())
+    }
+
+    /// Take an extra hold on the pages of `seq` (a transfer or reader), checked against the
+    /// owner. The pages stay out of the free list until `unhold`, even after `release`.
+    pub fn hold(&self, seq: &SeqKv) -> Result<Vec<PageRef>, RuntimeError> {
+        for &page_ref in &seq.table {
+            let page = self.pages[page_ref.page as usize].read();
+            self.check_tag(&seq.owner, page_ref, &page)?;
+        }
+        let mut meta = self.meta.lock();
+        for p in &seq.table {
+            meta.state[p.page as usize].holders += 1;
+        }
+        Ok(seq.table.clone())
+    }
+
+    /// Drop a hold taken with `hold`.
+    pub fn unhold(&self, pages: &[PageRef]) {
+        let mut to_free = Vec::new();
+        {
+            let mut meta = self.meta.lock();
+            for p in pages {
+                let st = &mut meta.state[p.page as usize];
+                if st.epoch == p.epoch && st.holders > 0 {
+                    st.holders -= 1;
+                    if st.holders == 0 {
+                        to_free.push(p.page);
+                    }
+                }
+            }
+        }
+        self.free_pages(&to_free);
+    }
+
+    /// End a sequence: drop the owner's hold on each page and return unused reservation.
+    /// Pages with no other holder are poisoned and go to the back of the free list.
+    /// Idempotent.
+    pub fn release(&self, seq: &mut SeqKv) {
+        if seq.released {
+            return;
+        }
+        seq.released = true;
+        let table = std::mem::take(&mut seq.table);
+        let mut to_free = Vec::new();
+        {
+            let mut meta = self.meta.lock();
+            meta.reserved -= seq.reservation.pages;
+            seq.reservation.pages = 0;
+            for p in &table {
+                let st = &mut meta.state[p.page as usize];
+                // A stale or forged entry names a page this sequence does not hold: releasing
+                // it would free someone else's page. Refuse, and raise the alarm.
+                if !st.allocated || st.epoch != p.epoch || st.holders == 0 {
+                    self.isolation_violations.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(page = p.page, "release of a page not held by its sequence");
+                    continue;
+                }
+                st.holders -= 1;
+                if st.holders == 0 {
+                    to_free.push(p.page);
+                }
+            }
+        }
+        self.free_pages(&to_free);
+    }
+
+    fn free_pages(&self, pages: &[u32]) {
+        for &page in pages {
+            // Poison and untag before the page becomes allocatable again.
+            let mut data = self.pages[page as usize].write();
+            data.tag = None;
+            data.data.fill(POISON);
+        }
+        let mut meta = self.meta.lock();
+        for &page in pages {
+            meta.state[page as usize].allocated = false;
+            meta.free.push_back(page);
+        }
+    }
+
+    /// Whether a page (for tests and audits) is free and poisoned.
+    pub fn page_is_poisoned(&self, page: u32) -> bool {
+        let data = self.pages[page as usize].read();
+        data.tag.is_none() && data.data.iter().all(|x| x.is_nan())
+    }
+}
+
+impl Drop for SeqKv {
+    fn drop(&mut self) {
+        // A sequence must be released through its pool; one dropped without that would pin
+        // its pages. The scheduler always releases; this catches a bug early in tests.
+        debug_assert!(
+            std::thread::panicking()
+                || self.released
+                || (self.table.is_empty() && self.reservation.pages == 0),
+            "SeqKv for request {} dropped without release",
+            self.owner.request
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            layers: 2,
+            kv_dim: 4,
+        }
+    }
+    fn owner(t: &str, r: u64) -> Owner {
+        Owner {
+            tenant: t.into(),
+            request: r,
+        }
+    }
+
+    #[test]
+    fn write_then_read_round_trips_across_pages() {
+        let pool = KvPool::new(layout(), 4, 8);
+        let mut seq = pool.open(owner("a", 1), pool.try_reserve(10).unwrap());
+        pool.grow(&mut seq, 10).unwrap();
+        let k: Vec<f32> = (0..40).map(|x| x as f32).collect();
+        let v: Vec<f32> = (0..40).map(|x| -(x as f32)).collect();
+        pool.write(&seq, 1, 0, &k, &v).unwrap();
+        pool.commit(&mut seq, 10);
+        let (mut ko, mut vo) = (Vec::new(), Vec::new());
+        pool.read(&seq, 1, 10, &mut ko, &mut vo).unwrap();
+        assert_eq!(ko, k);
+        assert_eq!(vo, v);
+        pool.release(&mut seq);
+        assert_eq!(pool.stats().pages_free, 8);
+    }
+
+    #[test]
+    fn forged_block_table_is_refused_and_counted() {
+        let pool = KvPool::new(layout(), 4, 8);
+        let mut victim = pool.open(owner("victim", 1), pool.try_reserve(4).unwrap());
+        pool.grow(&mut victim, 4).unwrap();
+        pool.write(&victim, 0, 0, &[7.0; 16], &[7.0; 16]).unwrap();
+        pool.commit(&mut victim, 4);
+        let mut thief = pool.open(owner("thief", 2), pool.try_reserve(4).unwrap());
+        pool.grow(&mut thief, 4).unwrap();
+        let own = thief.block_table()[0];
+        thief.forge_block_table_entry(0, victim.block_table()[0]);
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        let err = pool.read(&thief, 0, 4, &mut k, &mut v).unwrap_err();
+        assert!(matches!(err, RuntimeError::Isolation(_)), "{err:?}");
+        assert!(k.is_empty(), "no data of the victim may be copied out");
+        assert_eq!(pool.isolation_violations(), 1);
+        // A forged write is refused too, and the victim's data is intact.
+        assert!(pool.write(&thief, 0, 0, &[0.0; 4], &[0.0; 4]).is_err());
+        pool.read(&victim, 0, 4, &mut k, &mut v).unwrap();
+        assert!(k.iter().all(|&x| x == 7.0));
+        thief.forge_block_table_entry(0, own);
+        pool.release(&mut thief);
+        pool.release(&mut victim);
+    }
+
+    #[test]
+    fn stale_epoch_is_refused_after_reuse() {
+        let pool = KvPool::new(layout(), 4, 1);
+        let mut first = pool.open(owner("a", 1), pool.try_reserve(4).unwrap());
+        pool.grow(&mut first, 4).unwrap();
+        let stale = first.block_table()[0];
+        pool.release(&mut first);
+        assert!(pool.page_is_poisoned(stale.page));
+        // Same tenant, same request id even: the epoch differs, so the old ref is dead.
+        let mut second = pool.open(owner("a", 1), pool.try_reserve(4).unwrap());
+        pool.grow(&mut second, 4).unwrap();
+        let current = second.block_table()[0];
+        assert_ne!(current.epoch, stale.epoch);
+        second.forge_block_table_entry(0, stale);
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        assert!(pool.read(&second, 0, 1, &mut k, &mut v).is_err());
+        // Releasing through the stale entry must not free the page now held under a new epoch.
+        let mut stale_holder = pool.open(owner("a", 1), pool.try_reserve(0).unwrap());
+        stale_holder.forge_block_table_entry_push(stale);
+        pool.release(&mut stale_holder);
+        assert_eq!(pool.stats().pages_free, 0, "the live page stays allocated");
+        second.forge_block_table_entry(0, current);
+        pool.release(&mut second);
+        assert_eq!(pool.stats().pages_free, 1);
+    }
+
+    #[test]
+    fn release_is_deferred_while_a_holder_remains() {
+        let pool = KvPool::new(layout(), 4, 2);
+        let mut seq = pool.open(owner("a", 1), pool.try_reserve(8).unwrap());
+        pool.grow(&mut seq, 8).unwrap();
+        let held = pool.hold(&seq).unwrap();
+        pool.release(&mut seq);
+        assert_eq!(
+            pool.stats().pages_free,
+            0,
+            "held pages stay out of the free list"
+        );
+        assert!(pool.try_reserve(1).is_err());
+        pool.unhold(&held);
+        assert_eq!(pool.stats().pages_free, 2);
+        assert!(held.iter().all(|p| pool.page_is_poisoned(p.page)));
+    }
+
+    #[test]
+    fn freed_pages_are_reused_first_in_first_out() {
+        let pool = KvPool::new(layout(), 1, 3);
+        let mut a = pool.open(owner("a", 1), pool.try_reserve(1).unwrap());
+        pool.grow(&mut a, 1).unwrap();
+        let freed = a.block_table()[0].page;
+        pool.release(&mut a);
+        let mut b = pool.open(owner("b", 2), pool.try_reserve(1).unwrap());
+        pool.grow(&mut b, 1).unwrap();
+        assert_ne!(
+            b.block_table()[0].page,
+            freed,
+            "a just-freed page is not reused first"
+        );
+        pool.release(&mut b);
+    }
+
+    #[test]
+    fn reservation_is_all_or_nothing() {
+        let pool = KvPool::new(layout(), 4, 4);
+        let r = pool.try_reserve(12).unwrap();
+        let err = pool.try_reserve(8).unwrap_err();
+        assert_eq!(
+            err,
+            PoolFull {
+                wanted: 2,
+                available: 1
+            }
+        );
+        let mut s = pool.open(owner("a", 1), r);
+        pool.release(&mut s);
+        assert_eq!(pool.stats().pages_reserved, 0);
+        assert!(pool.try_reserve(16).is_ok_and(|r| {
+            let mut s = pool.open(owner("a", 2), r);
+            pool.release(&mut s);
+            true
+        }));
+    }
+}

@@ -1,0 +1,145 @@
+//! Prometheus metrics of a node, encoded in the text exposition format at `/metrics`.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabel {
+    pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RejectLabel {
+    pub model: String,
+    pub reason: String,
+}
+
+pub struct NodeMetrics {
+    registry: Registry,
+    pub kv_pages_total: Family<ModelLabel, Gauge>,
+    pub kv_pages_free: Family<ModelLabel, Gauge>,
+    pub kv_pages_reserved: Family<ModelLabel, Gauge>,
+    pub queue_depth: Family<ModelLabel, Gauge>,
+    pub running: Family<ModelLabel, Gauge>,
+    pub admissions_rejected: Family<RejectLabel, Counter>,
+    pub isolation_violations: Family<ModelLabel, Counter>,
+    pub tokens_generated: Family<ModelLabel, Counter>,
+    pub requests_completed: Family<ModelLabel, Counter>,
+    pub embeddings: Family<ModelLabel, Counter>,
+    pub ttft_seconds: Family<ModelLabel, Histogram>,
+    pub inter_token_seconds: Family<ModelLabel, Histogram>,
+}
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 16))
+}
+
+impl Default for NodeMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl NodeMetrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("bulkhead");
+        let m = NodeMetrics {
+            kv_pages_total: Family::default(),
+            kv_pages_free: Family::default(),
+            kv_pages_reserved: Family::default(),
+            queue_depth: Family::default(),
+            running: Family::default(),
+            admissions_rejected: Family::default(),
+            isolation_violations: Family::default(),
+            tokens_generated: Family::default(),
+            requests_completed: Family::default(),
+            embeddings: Family::default(),
+            ttft_seconds: Family::new_with_constructor(latency_histogram),
+            inter_token_seconds: Family::new_with_constructor(latency_histogram),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "kv_pages_total",
+            "KV pool pages in all",
+            m.kv_pages_total.clone(),
+        );
+        registry.register(
+            "kv_pages_free",
+            "KV pool pages on the free list",
+            m.kv_pages_free.clone(),
+        );
+        registry.register(
+            "kv_pages_reserved",
+            "KV pages promised to admitted sequences, not yet allocated",
+            m.kv_pages_reserved.clone(),
+        );
+        registry.register(
+            "queue_depth",
+            "Requests waiting for KV capacity",
+            m.queue_depth.clone(),
+        );
+        registry.register(
+            "running_sequences",
+            "Sequences being generated",
+            m.running.clone(),
+        );
+        registry.register(
+            "admissions_rejected",
+            "Requests refused at admission, by reason",
+            m.admissions_rejected.clone(),
+        );
+        registry.register(
+            "kv_isolation_violations",
+            "KV page reads or writes refused because the page belongs to another sequence (alarm: must stay 0)",
+            m.isolation_violations.clone(),
+        );
+        registry.register(
+            "tokens_generated",
+            "Completion tokens generated",
+            m.tokens_generated.clone(),
+        );
+        registry.register(
+            "requests_completed",
+            "Generation requests that finished successfully",
+            m.requests_completed.clone(),
+        );
+        registry.register("embeddings", "Texts embedded", m.embeddings.clone());
+        registry.register(
+            "time_to_first_token_seconds",
+            "Time to first token",
+            m.ttft_seconds.clone(),
+        );
+        registry.register(
+            "inter_token_latency_seconds",
+            "Time between consecutive tokens of a sequence",
+            m.inter_token_seconds.clone(),
+        );
+        NodeMetrics { registry, ..m }
+    }
+
+    pub fn reject(&self, model: &str, reason: &str) {
+        self.admissions_rejected
+            .get_or_create(&RejectLabel {
+                model: model.to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}
+
+pub fn label(model: &str) -> ModelLabel {
+    ModelLabel {
+        model: model.to_string(),
+    }
+}

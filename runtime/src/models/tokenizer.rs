@@ -1,0 +1,172 @@
+//! Tokenizer and chat template of a GGUF model, built from the file's own metadata.
+//!
+//! candle's GGUF tokenizer falls back to GPT-2 ByteLevel with a prefix space for SmolLM2's
+//! `smollm` pre-tokenizer, which inserts a space after every special token. This builds a
+//! byte-level BPE from the GGUF's tokens and merges with the pre-tokenizer llama.cpp uses for
+//! it (individual digits, then ByteLevel without prefix space); it reproduces llama.cpp's ids.
+
+use candle_core::quantized::gguf_file;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, Tokenizer};
+
+use crate::error::RuntimeError;
+
+/// GGUF token types that are special (control and user-defined) and must never be split.
+const TOKEN_TYPE_CONTROL: i32 = 3;
+const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// The default ChatML template, used when a GGUF carries none.
+const CHATML_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// A chat message as clients send it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+pub struct TextTokenizer {
+    inner: Tokenizer,
+    pub bos: Option<u32>,
+    pub eos: u32,
+    /// Extra end-of-turn tokens (e.g. `<|im_end|>`) that also stop generation.
+    pub stop_ids: Vec<u32>,
+    add_bos: bool,
+    chat_template: String,
+}
+
+fn internal(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Internal(e.to_string())
+}
+
+impl TextTokenizer {
+    pub fn from_gguf(ct: &gguf_file::Content) -> Result<Self, RuntimeError> {
+        let get = |k: &str| {
+            ct.metadata
+                .get(k)
+                .ok_or_else(|| internal(format!("GGUF metadata has no {k}")))
+        };
+        let tokens: Vec<String> = get("tokenizer.ggml.tokens")?
+            .to_vec()?
+            .iter()
+            .map(|v| v.to_string().cloned())
+            .collect::<Result<_, _>>()?;
+        let merges: Vec<(String, String)> = get("tokenizer.ggml.merges")?
+            .to_vec()?
+            .iter()
+            .map(|v| {
+                let m = v.to_string()?;
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| candle_core::Error::Msg(format!("bad merge {m:?}")))
+            })
+            .collect::<Result<_, _>>()?;
+        let types: Vec<i32> = match ct.metadata.get("tokenizer.ggml.token_type") {
+            Some(v) => v
+                .to_vec()?
+                .iter()
+                .map(|t| t.to_i32())
+                .collect::<Result<_, _>>()?,
+            None => vec![1; tokens.len()],
+        };
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(internal)?;
+        let mut inner = Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(Sequence::new(vec![
+            Digits::new(true).into(),
+            ByteLevel::new(false, true, true).into(),
+        ])));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let specials: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, t)| **t == TOKEN_TYPE_CONTROL || **t == TOKEN_TYPE_USER_DEFINED)
+            .map(|(tok, _)| AddedToken::from(tok.clone(), true))
+            .collect();
+        inner.add_special_tokens(specials).map_err(internal)?;
+
+        let id = |k: &str| ct.metadata.get(k).and_then(|v| v.to_u32().ok());
+        let eos = id("tokenizer.ggml.eos_token_id")
+            .ok_or_else(|| internal("GGUF metadata has no eos_token_id"))?;
+        let mut stop_ids = vec![eos];
+        for name in ["<|im_end|>", "<|eot_id|>", "<|endoftext|>"] {
+            if let Some(i) = tokens.iter().position(|t| t == name)
+                && !stop_ids.contains(&(i as u32))
+            {
+                stop_ids.push(i as u32);
+            }
+        }
+        let chat_template = ct
+            .metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.to_string().ok().cloned())
+            .unwrap_or_else(|| CHATML_TEMPLATE.to_string());
+        Ok(TextTokenizer {
+            inner,
+            bos: id("tokenizer.ggml.bos_token_id"),
+            eos,
+            stop_ids,
+            add_bos: ct
+                .metadata
+                .get("tokenizer.ggml.add_bos_token")
+                .and_then(|v| v.to_bool().ok())
+                .unwrap_or(false),
+            chat_template,
+        })
+    }
+
+    /// Token ids of `text`; special tokens written in the text are recognised.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, RuntimeError> {
+        let enc = self.inner.encode(text, false).map_err(internal)?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if self.add_bos {
+            ids.extend(self.bos);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Text of `ids`, special tokens skipped.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, RuntimeError> {
+        self.inner.decode(ids, true).map_err(internal)
+    }
+
+    pub fn is_stop(&self, id: u32) -> bool {
+        self.stop_ids.contains(&id)
+    }
+
+    /// Render messages with the model's chat template, ending with the assistant's turn.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, RuntimeError> {
+        let mut env = minijinja::Environment::new();
+        env.add_template("chat", &self.chat_template)
+            .map_err(|e| internal(format!("chat template: {e}")))?;
+        let tmpl = env.get_template("chat").map_err(internal)?;
+        let messages: Vec<minijinja::Value> = messages
+            .iter()
+            .map(|m| {
+                minijinja::Value::from(std::collections::BTreeMap::from([
+                    ("role".to_string(), m.role.clone()),
+                    ("content".to_string(), m.content.clone()),
+                ]))
+            })
+            .collect();
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => true,
+            bos_token => "",
+            eos_token => "",
+        })
+        .map_err(|e| RuntimeError::BadInput(format!("cannot apply the chat template: {e}")))
+    }
+}

@@ -1,0 +1,264 @@
+//! A node: its configuration, the models it serves, their pools and engines, and the
+//! startup capacity check that refuses to run a pool too small for its models.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+
+use crate::admission::{DEFAULT_SAFETY_FACTOR, ServedModel, check_pool_fits};
+use crate::engine::{Engine, EngineConfig, TextModel};
+use crate::kv::KvPool;
+use crate::metrics::NodeMetrics;
+use crate::models::bert::BertEmbedder;
+use crate::models::fetch::{MINILM, SMOLLM2, default_cache_dir};
+use crate::models::llama::{LlamaModel, WeightFormat};
+use crate::models::tokenizer::TextTokenizer;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    #[default]
+    Unified,
+    Prefill,
+    Decode,
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "unified" => Ok(Role::Unified),
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            _ => Err(format!("unknown role {s:?} (unified, prefill or decode)")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TextModelConfig {
+    /// Catalog name, e.g. `@cf/huggingfacetb/smollm2-135m-instruct`.
+    pub name: String,
+    /// GGUF file; default: the bundled SmolLM2 in the model cache.
+    pub path: Option<PathBuf>,
+    #[serde(default)]
+    pub weights: WeightFormat,
+    /// Serve with a smaller window than the model's own (never a larger one).
+    pub context_window: Option<usize>,
+    /// System turn put first when a request has none. SmolLM2's own template would insert a
+    /// long default one that derails the 135M model (it answers "What is the capital of
+    /// France?" with French word salad); a short one keeps it on task.
+    #[serde(default = "default_system_prompt")]
+    pub system_prompt: Option<String>,
+}
+
+fn default_system_prompt() -> Option<String> {
+    Some(DEFAULT_SYSTEM_PROMPT.to_string())
+}
+
+pub const DEFAULT_SYSTEM_PROMPT: &str = "You are a helpful assistant.";
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmbeddingModelConfig {
+    pub name: String,
+    /// Directory with model.safetensors, config.json, tokenizer.json; default: bundled MiniLM.
+    pub dir: Option<PathBuf>,
+}
+
+/// Configuration of a node (TOML, e.g. `bulkhead node --config node.toml`).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeConfig {
+    pub role: Role,
+    /// KV pool size in tokens per text model. Without it: `pool_memory_mb`, else the
+    /// largest served window times the safety factor.
+    pub pool_tokens: Option<usize>,
+    /// KV pool size as a memory budget in MiB per text model.
+    pub pool_memory_mb: Option<usize>,
+    pub page_size: usize,
+    pub safety_factor: f64,
+    pub models_dir: Option<PathBuf>,
+    pub engine: EngineConfig,
+    /// Embedding batches computed at once.
+    pub embed_concurrency: usize,
+    pub text_models: Vec<TextModelConfig>,
+    pub embedding_models: Vec<EmbeddingModelConfig>,
+}
+
+pub const SMOLLM2_NAME: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
+pub const MINILM_NAME: &str = "@cf/sentence-transformers/all-minilm-l6-v2";
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            role: Role::Unified,
+            pool_tokens: None,
+            pool_memory_mb: None,
+            page_size: 16,
+            safety_factor: DEFAULT_SAFETY_FACTOR,
+            models_dir: None,
+            engine: EngineConfig::default(),
+            embed_concurrency: 1,
+            text_models: vec![TextModelConfig {
+                name: SMOLLM2_NAME.into(),
+                path: None,
+                weights: WeightFormat::default(),
+                context_window: None,
+                system_prompt: default_system_prompt(),
+            }],
+            embedding_models: vec![EmbeddingModelConfig {
+                name: MINILM_NAME.into(),
+                dir: None,
+            }],
+        }
+    }
+}
+
+impl NodeConfig {
+    pub fn from_toml(text: &str) -> anyhow::Result<Self> {
+        Ok(toml::from_str(text)?)
+    }
+
+    pub fn models_dir(&self) -> PathBuf {
+        self.models_dir.clone().unwrap_or_else(default_cache_dir)
+    }
+}
+
+/// Everything a node serves.
+pub struct Node {
+    pub role: Role,
+    pub safety_factor: f64,
+    pub text: BTreeMap<String, Arc<Engine>>,
+    pub embed: BTreeMap<String, Arc<BertEmbedder>>,
+    pub embed_permits: Arc<tokio::sync::Semaphore>,
+    pub metrics: Arc<NodeMetrics>,
+}
+
+impl Node {
+    /// Load every model, size the pools, run the startup capacity check, start the engines.
+    /// Fails (the node does not start) when any pool is too small for its model.
+    pub fn start(cfg: &NodeConfig) -> anyhow::Result<Node> {
+        let device = crate::device::select()?;
+        let metrics = Arc::new(NodeMetrics::new());
+        let models_dir = cfg.models_dir();
+        let mut text = BTreeMap::new();
+        for m in &cfg.text_models {
+            let path = m
+                .path
+                .clone()
+                .unwrap_or_else(|| SMOLLM2.path_in(&models_dir).join(SMOLLM2.files[0].1));
+            if !path.is_file() {
+                bail!(
+                    "model file {} is missing; run `bulkhead models fetch` first",
+                    path.display()
+                );
+            }
+            let (llama, gguf) = LlamaModel::load(&path, m.weights, &device)
+                .with_context(|| format!("loading {}", path.display()))?;
+            let tokenizer = TextTokenizer::from_gguf(&gguf)?;
+            let native = llama.cfg.context_window;
+            let context_window = match m.context_window {
+                Some(w) if w > native => bail!(
+                    "{}: context_window {w} is larger than the model's own {native}",
+                    m.name
+                ),
+                Some(0) => bail!("{}: context_window must be at least 1", m.name),
+                Some(w) => w,
+                None => native,
+            };
+            let layout = llama.cfg.kv_layout();
+            let pool_tokens = match (cfg.pool_tokens, cfg.pool_memory_mb) {
+                (Some(t), _) => t,
+                (None, Some(mb)) => KvPool::tokens_for_budget(layout, cfg.page_size, mb << 20),
+                (None, None) => {
+                    crate::admission::required_pool_tokens(context_window, cfg.safety_factor)
+                }
+            };
+            let served = [ServedModel {
+                name: m.name.clone(),
+                context_window,
+            }];
+            // The pool is rounded up to whole pages; check what will actually exist.
+            let pages = pool_tokens.div_ceil(cfg.page_size.max(1)).max(1);
+            check_pool_fits(pages * cfg.page_size, &served, cfg.safety_factor)
+                .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
+            let pool = Arc::new(KvPool::new(layout, cfg.page_size, pages));
+            tracing::info!(
+                model = %m.name,
+                context_window,
+                pool_tokens = pool.capacity_tokens(),
+                pool_mib = (pool.capacity_tokens() * layout.bytes_per_token()) >> 20,
+                "text model ready"
+            );
+            let model = Arc::new(TextModel {
+                name: m.name.clone(),
+                llama,
+                tokenizer,
+                context_window,
+                default_system_prompt: m.system_prompt.clone(),
+            });
+            let engine = Engine::start(model, pool, cfg.engine.clone(), metrics.clone());
+            text.insert(m.name.clone(), engine);
+        }
+        let mut embed = BTreeMap::new();
+        for m in &cfg.embedding_models {
+            let dir = m.dir.clone().unwrap_or_else(|| MINILM.path_in(&models_dir));
+            if !dir.join("model.safetensors").is_file() {
+                bail!(
+                    "embedding model {} is missing; run `bulkhead models fetch` first",
+                    dir.display()
+                );
+            }
+            let e = BertEmbedder::load(&dir, &device)
+                .with_context(|| format!("loading {}", dir.display()))?;
+            embed.insert(m.name.clone(), Arc::new(e));
+        }
+        Ok(Node {
+            role: cfg.role,
+            safety_factor: cfg.safety_factor,
+            text,
+            embed,
+            embed_permits: Arc::new(tokio::sync::Semaphore::new(cfg.embed_concurrency.max(1))),
+            metrics,
+        })
+    }
+
+    /// The models with their windows, as the capacity check and the control plane see them.
+    pub fn served_models(&self) -> Vec<ServedModel> {
+        self.text
+            .iter()
+            .map(|(name, e)| ServedModel {
+                name: name.clone(),
+                context_window: e.model().context_window,
+            })
+            .collect()
+    }
+}
+
+/// Pre-deployment check of a node configuration without loading weights: the pool each text
+/// model would get against its window. Used by `bulkhead check`.
+pub fn check_config(cfg: &NodeConfig, windows: &BTreeMap<String, usize>) -> anyhow::Result<()> {
+    for m in &cfg.text_models {
+        let window = m
+            .context_window
+            .or_else(|| windows.get(&m.name).copied())
+            .with_context(|| format!("{}: no context_window given and none known", m.name))?;
+        let pool_tokens = cfg
+            .pool_tokens
+            .with_context(|| "pool_tokens must be set for a deployment check".to_string())?;
+        let pages = pool_tokens.div_ceil(cfg.page_size.max(1)).max(1);
+        check_pool_fits(
+            pages * cfg.page_size,
+            &[ServedModel {
+                name: m.name.clone(),
+                context_window: window,
+            }],
+            cfg.safety_factor,
+        )?;
+    }
+    Ok(())
+}

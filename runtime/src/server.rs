@@ -1,0 +1,330 @@
+//! The node's internal HTTP API (axum): generate (SSE and not), embed, health, state, metrics.
+//!
+//! Status codes: 200 only for a request served in full; context overflow 413, bad input
+//! 400, overload 503 with Retry-After, isolation or internal failure 500. A streaming
+//! response commits to 200 only once the first token exists, so every admission, queueing
+//! and prefill failure still gets its own status.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::engine::{FinishReason, GenEvent, GenerateRequest, PromptInput, Usage};
+use crate::error::RuntimeError;
+use crate::kv::PoolStats;
+use crate::metrics::label;
+use crate::models::tokenizer::ChatMessage;
+use crate::node::{Node, Role};
+use crate::sampling::SamplingParams;
+
+/// Largest request body the node accepts.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenerateBody {
+    pub model: String,
+    pub tenant: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub messages: Option<Vec<ChatMessage>>,
+    #[serde(default)]
+    pub raw: bool,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(flatten)]
+    pub params: SamplingParams,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GenerateResponse {
+    pub response: String,
+    pub usage: Usage,
+    pub finish_reason: FinishReason,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmbedBody {
+    pub model: String,
+    pub tenant: String,
+    pub texts: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EmbedResponse {
+    pub shape: [usize; 2],
+    pub data: Vec<Vec<f32>>,
+    pub usage: EmbedUsage,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct EmbedUsage {
+    pub prompt_tokens: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModelState {
+    pub name: String,
+    pub task: String,
+    pub context_window: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool: Option<PoolStats>,
+    pub queue_depth: usize,
+    pub running: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeState {
+    pub role: Role,
+    pub safety_factor: f64,
+    pub models: Vec<ModelState>,
+}
+
+/// An error as an HTTP response: `{"error": {"code", "message"}}` with the error's status.
+pub struct ApiError(pub RuntimeError);
+
+impl From<RuntimeError> for ApiError {
+    fn from(e: RuntimeError) -> Self {
+        ApiError(e)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.0.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut resp =
+            (status, Json(serde_json::json!({ "error": self.0.body() }))).into_response();
+        if let Some(s) = self.0.retry_after_s() {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
+    }
+}
+
+pub fn router(node: Arc<Node>) -> Router {
+    Router::new()
+        .route(
+            "/health",
+            get(|| async { Json(serde_json::json!({"status": "ok"})) }),
+        )
+        .route("/v1/state", get(state))
+        .route("/v1/generate", post(generate))
+        .route("/v1/embed", post(embed))
+        .route("/metrics", get(metrics))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(node)
+}
+
+/// Parse a JSON body ourselves so that a malformed one gets our error shape and a 400.
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, RuntimeError> {
+    serde_json::from_slice(body)
+        .map_err(|e| RuntimeError::BadInput(format!("invalid JSON body: {e}")))
+}
+
+pub fn node_state(node: &Node) -> NodeState {
+    let mut models: Vec<ModelState> = node
+        .text
+        .iter()
+        .map(|(name, e)| ModelState {
+            name: name.clone(),
+            task: "text-generation".into(),
+            context_window: e.model().context_window,
+            pool: Some(e.pool().stats()),
+            queue_depth: e.queue_depth(),
+            running: e.running(),
+        })
+        .collect();
+    models.extend(node.embed.iter().map(|(name, e)| ModelState {
+        name: name.clone(),
+        task: "text-embeddings".into(),
+        context_window: e.max_tokens,
+        pool: None,
+        queue_depth: 0,
+        running: 0,
+    }));
+    NodeState {
+        role: node.role,
+        safety_factor: node.safety_factor,
+        models,
+    }
+}
+
+async fn state(State(node): State<Arc<Node>>) -> Json<NodeState> {
+    Json(node_state(&node))
+}
+
+async fn metrics(State(node): State<Arc<Node>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        node.metrics.encode(),
+    )
+        .into_response()
+}
+
+async fn generate(
+    State(node): State<Arc<Node>>,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    let body: GenerateBody = parse(&body)?;
+    let engine = node
+        .text
+        .get(&body.model)
+        .cloned()
+        .ok_or_else(|| RuntimeError::UnknownModel(body.model.clone()))?;
+    let input = match (body.prompt, body.messages) {
+        (Some(prompt), None) => PromptInput::Text {
+            prompt,
+            raw: body.raw,
+        },
+        (None, Some(messages)) => PromptInput::Messages(messages),
+        _ => {
+            return Err(
+                RuntimeError::BadInput("give exactly one of prompt or messages".into()).into(),
+            );
+        }
+    };
+    let req = GenerateRequest {
+        tenant: body.tenant,
+        input,
+        params: body.params,
+    };
+    // Tokenizing a long prompt is CPU work: keep it off the async workers.
+    let e2 = engine.clone();
+    let sub = tokio::task::spawn_blocking(move || e2.submit(req))
+        .await
+        .map_err(|e| RuntimeError::Internal(e.to_string()))??;
+    let mut events = sub.events;
+    if !body.stream {
+        let mut text = String::new();
+        while let Some(ev) = events.recv().await {
+            match ev {
+                GenEvent::Admitted { .. } => {}
+                GenEvent::Token { text: t } => text.push_str(&t),
+                GenEvent::Done {
+                    usage,
+                    finish_reason,
+                } => {
+                    return Ok(Json(GenerateResponse {
+                        response: text,
+                        usage,
+                        finish_reason,
+                    })
+                    .into_response());
+                }
+                GenEvent::Error(e) => return Err(e.into()),
+            }
+        }
+        return Err(RuntimeError::Internal("engine dropped the request".into()).into());
+    }
+    // Streaming: wait for the first token (or the end) before committing to 200.
+    let mut first = Vec::new();
+    loop {
+        match events.recv().await {
+            None => return Err(RuntimeError::Internal("engine dropped the request".into()).into()),
+            Some(GenEvent::Admitted { .. }) => continue,
+            Some(GenEvent::Error(e)) => return Err(e.into()),
+            Some(ev) => {
+                first.push(ev);
+                break;
+            }
+        }
+    }
+    let model = body.model.clone();
+    let metrics = node.metrics.clone();
+    let rest = UnboundedReceiverStream::new(events);
+    let stream = futures::stream::iter(first)
+        .chain(rest)
+        .filter_map(move |ev| {
+            let out = match ev {
+                GenEvent::Admitted { .. } => None,
+                GenEvent::Token { text } => Some(vec![Event::default().data(
+                    serde_json::json!({ "response": text }).to_string(),
+                )]),
+                GenEvent::Done { usage, finish_reason } => Some(vec![
+                    Event::default().data(
+                        serde_json::json!({ "response": "", "usage": usage, "finish_reason": finish_reason })
+                            .to_string(),
+                    ),
+                    Event::default().data("[DONE]"),
+                ]),
+                // After the first token the status is sent; an error ends the stream with an
+                // error event and no [DONE], so a client never takes it for a full answer.
+                GenEvent::Error(e) => {
+                    metrics.reject(&model, e.code());
+                    Some(vec![Event::default()
+                        .event("error")
+                        .data(serde_json::json!({ "error": e.body() }).to_string())])
+                }
+            };
+            futures::future::ready(out)
+        })
+        .flat_map(|evs| futures::stream::iter(evs.into_iter().map(Ok::<_, Infallible>)));
+    Ok(Sse::new(stream).into_response())
+}
+
+async fn embed(
+    State(node): State<Arc<Node>>,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    let body: EmbedBody = parse(&body)?;
+    let embedder = node
+        .embed
+        .get(&body.model)
+        .cloned()
+        .ok_or_else(|| RuntimeError::UnknownModel(body.model.clone()))?;
+    let permit = node
+        .embed_permits
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|e| RuntimeError::Internal(e.to_string()))?;
+    let texts = body.texts;
+    let (counts, data) = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        let counts = embedder.admit(&texts)?;
+        let data = embedder.embed(&texts)?;
+        Ok::<_, RuntimeError>((counts, data))
+    })
+    .await
+    .map_err(|e| RuntimeError::Internal(e.to_string()))??;
+    node.metrics
+        .embeddings
+        .get_or_create(&label(&body.model))
+        .inc_by(data.len() as u64);
+    let dims = data.first().map_or(0, |v| v.len());
+    Ok(Json(EmbedResponse {
+        shape: [data.len(), dims],
+        data,
+        usage: EmbedUsage {
+            prompt_tokens: counts.iter().sum(),
+        },
+    })
+    .into_response())
+}
+
+/// Serve the node API on `listener` until `shutdown` resolves.
+pub async fn serve(
+    node: Arc<Node>,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(node))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

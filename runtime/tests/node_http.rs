@@ -1,0 +1,371 @@
+//! The node API over real HTTP on loopback, with the real SmolLM2 and MiniLM weights.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bulkhead_runtime::engine::EngineConfig;
+use bulkhead_runtime::node::{
+    EmbeddingModelConfig, MINILM_NAME, Node, NodeConfig, SMOLLM2_NAME, TextModelConfig,
+};
+use bulkhead_runtime::server::{GenerateResponse, NodeState};
+use serde_json::{Value, json};
+
+struct TestNode {
+    addr: SocketAddr,
+    node: Arc<Node>,
+    http: reqwest::Client,
+}
+
+impl TestNode {
+    async fn start(
+        context_window: usize,
+        pool_tokens: Option<usize>,
+        safety: f64,
+        engine: EngineConfig,
+    ) -> TestNode {
+        let cfg = NodeConfig {
+            pool_tokens,
+            safety_factor: safety,
+            models_dir: Some(common::models_dir()),
+            engine,
+            text_models: vec![TextModelConfig {
+                name: SMOLLM2_NAME.into(),
+                path: None,
+                weights: Default::default(),
+                context_window: Some(context_window),
+                system_prompt: Some(bulkhead_runtime::node::DEFAULT_SYSTEM_PROMPT.into()),
+            }],
+            embedding_models: vec![EmbeddingModelConfig {
+                name: MINILM_NAME.into(),
+                dir: None,
+            }],
+            ..NodeConfig::default()
+        };
+        let node = Arc::new(
+            tokio::task::spawn_blocking(move || Node::start(&cfg))
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(bulkhead_runtime::server::serve(
+            node.clone(),
+            listener,
+            std::future::pending(),
+        ));
+        TestNode {
+            addr,
+            node,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    async fn generate(&self, body: Value) -> (u16, Value, reqwest::header::HeaderMap) {
+        let r = self
+            .http
+            .post(format!("http://{}/v1/generate", self.addr))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        (status, r.json().await.unwrap(), headers)
+    }
+
+    async fn state(&self) -> NodeState {
+        self.http
+            .get(format!("http://{}/v1/state", self.addr))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    async fn metrics(&self) -> String {
+        self.http
+            .get(format!("http://{}/metrics", self.addr))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    fn pool_is_full(&self) -> bool {
+        let s = self.node.text[SMOLLM2_NAME].pool().stats();
+        s.pages_free == s.pages_total && s.pages_reserved == 0
+    }
+}
+
+fn ask(tenant: &str, prompt: &str, max_tokens: usize) -> Value {
+    json!({ "model": SMOLLM2_NAME, "tenant": tenant, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0 })
+}
+
+fn long_prompt(words: usize) -> String {
+    (0..words)
+        .map(|i| format!("word{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn oversized_prompt_gets_413_with_numbers_and_touches_no_page() {
+    let n = TestNode::start(512, None, 2.0, EngineConfig::default()).await;
+    let before = n.node.text[SMOLLM2_NAME].pool().stats();
+
+    let (status, body, _) = n.generate(ask("t1", &long_prompt(400), 16)).await;
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(body["error"]["code"], "context_window_exceeded");
+    let msg = body["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("exceeds context window 512"), "{msg}");
+
+    // prompt fits but prompt + max_tokens does not
+    let (status, body, _) = n.generate(ask("t1", &long_prompt(60), 500)).await;
+    assert_eq!(status, 413, "{body}");
+    let msg = body["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("+ max_tokens 500 exceeds context window 512"),
+        "{msg}"
+    );
+
+    assert_eq!(
+        n.node.text[SMOLLM2_NAME].pool().stats(),
+        before,
+        "a rejected request touches no page"
+    );
+    assert!(
+        n.metrics()
+            .await
+            .contains("reason=\"context_window_exceeded\"")
+    );
+
+    // and the node keeps serving
+    let (status, body, _) = n
+        .generate(ask("t2", "What is the capital of France?", 24))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let r: GenerateResponse = serde_json::from_value(body).unwrap();
+    assert!(r.response.contains("Paris"), "{:?}", r.response);
+    assert!(r.usage.prompt_tokens > 0 && r.usage.completion_tokens > 0);
+    assert_eq!(
+        r.usage.total_tokens,
+        r.usage.prompt_tokens + r.usage.completion_tokens
+    );
+    assert!(n.pool_is_full());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_tenants_interleaved_with_oversized_prompts_get_their_own_answers() {
+    let n = Arc::new(TestNode::start(512, None, 2.0, EngineConfig::default()).await);
+    let questions = [
+        ("alice", "What is the capital of France?"),
+        ("bob", "Name three colors of the rainbow."),
+        ("carol", "What is the capital of Japan?"),
+        ("dave", "Write one sentence about the sea."),
+    ];
+    // Each tenant's answer alone first (greedy, so deterministic).
+    let mut solo = Vec::new();
+    for (t, q) in questions {
+        let (s, body, _) = n.generate(ask(t, q, 20)).await;
+        assert_eq!(s, 200);
+        solo.push(body["response"].as_str().unwrap().to_string());
+    }
+    assert!(solo[0].contains("Paris"), "{:?}", solo[0]);
+    // Now all at once, with oversized prompts from other tenants in between.
+    let mut tasks = Vec::new();
+    for round in 0..2 {
+        for (i, (t, q)) in questions.iter().enumerate() {
+            let n2 = n.clone();
+            let body = ask(t, q, 20);
+            tasks.push(tokio::spawn(
+                async move { (Some(i), n2.generate(body).await) },
+            ));
+            let n3 = n.clone();
+            let big = ask(&format!("mallory{round}{i}"), &long_prompt(450), 8);
+            tasks.push(tokio::spawn(async move { (None, n3.generate(big).await) }));
+        }
+    }
+    for t in tasks {
+        let (who, (status, body, _)) = t.await.unwrap();
+        match who {
+            Some(i) => {
+                assert_eq!(status, 200, "{body}");
+                assert_eq!(
+                    body["response"].as_str().unwrap(),
+                    solo[i],
+                    "tenant {} got another answer",
+                    questions[i].0
+                );
+            }
+            None => {
+                assert_eq!(status, 413, "{body}");
+                assert!(body.get("response").is_none());
+            }
+        }
+    }
+    assert!(n.pool_is_full(), "every page is back");
+    let metrics = n.metrics().await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("bulkhead_kv_isolation_violations_total") && l.ends_with(" 0")),
+        "isolation alarm must stay at zero:\n{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn streaming_sends_tokens_then_usage_then_done() {
+    let n = TestNode::start(512, None, 2.0, EngineConfig::default()).await;
+    let (_, plain, _) = n
+        .generate(ask("t", "What is the capital of France?", 16))
+        .await;
+    let mut body = ask("t", "What is the capital of France?", 16);
+    body["stream"] = json!(true);
+    let r = n
+        .http
+        .post(format!("http://{}/v1/generate", n.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let text = r.text().await.unwrap();
+    let frames: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(*frames.last().unwrap(), "[DONE]");
+    let mut streamed = String::new();
+    let mut usage = None;
+    for f in &frames[..frames.len() - 1] {
+        let v: Value = serde_json::from_str(f).unwrap();
+        streamed.push_str(v["response"].as_str().unwrap());
+        if v.get("usage").is_some() {
+            usage = Some(v["usage"].clone());
+        }
+    }
+    assert_eq!(streamed, plain["response"].as_str().unwrap());
+    assert_eq!(usage.unwrap(), plain["usage"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_pool_queues_then_fails_as_retryable_overload() {
+    // Pool of exactly one request's worth: the second waits, then times out with 503.
+    let engine = EngineConfig {
+        queue_timeout_ms: 50,
+        ..EngineConfig::default()
+    };
+    let n = Arc::new(TestNode::start(256, Some(256), 1.0, engine).await);
+    let body = ask(
+        "t",
+        "Write a long story about a dragon who learns to read.",
+        200,
+    );
+    let a = {
+        let n = n.clone();
+        let b = body.clone();
+        tokio::spawn(async move { n.generate(b).await })
+    };
+    let b = {
+        let n = n.clone();
+        tokio::spawn(async move { n.generate(body).await })
+    };
+    let mut statuses = Vec::new();
+    for t in [a, b] {
+        let (s, body, headers) = t.await.unwrap();
+        if s == 503 {
+            assert_eq!(body["error"]["code"], "overloaded");
+            assert!(headers.contains_key("retry-after"));
+        }
+        statuses.push(s);
+    }
+    statuses.sort();
+    assert_eq!(statuses, [200, 503]);
+    assert!(n.pool_is_full());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_requests_get_400_with_codes() {
+    let n = TestNode::start(512, None, 2.0, EngineConfig::default()).await;
+    let cases = [
+        (
+            json!({"model": "nope", "tenant": "t", "prompt": "hi"}),
+            "unknown_model",
+        ),
+        (
+            json!({"model": SMOLLM2_NAME, "tenant": "t", "prompt": ""}),
+            "empty_prompt",
+        ),
+        (
+            json!({"model": SMOLLM2_NAME, "tenant": "t", "prompt": "hi", "temperature": 9.0}),
+            "bad_input",
+        ),
+        (json!({"model": SMOLLM2_NAME, "tenant": "t"}), "bad_input"),
+        (
+            json!({"model": SMOLLM2_NAME, "tenant": "t", "prompt": "hi", "bogus": 1}),
+            "bad_input",
+        ),
+    ];
+    for (body, code) in cases {
+        let (s, resp, _) = n.generate(body.clone()).await;
+        assert_eq!(s, 400, "{body} -> {resp}");
+        assert_eq!(resp["error"]["code"], code, "{body} -> {resp}");
+    }
+    let r = n
+        .http
+        .post(format!("http://{}/v1/generate", n.addr))
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let st = n.state().await;
+    assert_eq!(st.models[0].context_window, 512);
+    assert!(st.models[0].pool.unwrap().capacity_tokens >= 1024);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn embeddings_over_http() {
+    let n = TestNode::start(512, None, 2.0, EngineConfig::default()).await;
+    let url = format!("http://{}/v1/embed", n.addr);
+    let r = n
+        .http
+        .post(&url)
+        .json(&json!({"model": MINILM_NAME, "tenant": "t", "texts": ["hello", "world"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["shape"], json!([2, 384]));
+    let long = long_prompt(600);
+    let r = n
+        .http
+        .post(&url)
+        .json(&json!({"model": MINILM_NAME, "tenant": "t", "texts": [long]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "input_too_long");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("limit of 512")
+    );
+}
