@@ -26,10 +26,17 @@ name = "@cf/example/one-million"
 context_window = 1048576
 "#,
     );
-    let out = bulkhead().args(["check", "--config"]).arg(&cfg).output().unwrap();
+    let out = bulkhead()
+        .args(["check", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("681280") && err.contains("1048576") && err.contains("2097152"), "{err}");
+    assert!(
+        err.contains("681280") && err.contains("1048576") && err.contains("2097152"),
+        "{err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 }
 
@@ -43,15 +50,27 @@ pool_tokens = 16384
 name = "@cf/huggingfacetb/smollm2-135m-instruct"
 "#,
     );
-    let out = bulkhead().args(["check", "--config"]).arg(&cfg).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = bulkhead()
+        .args(["check", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("ok"));
 }
 
 #[test]
 fn check_rejects_an_unknown_setting_instead_of_ignoring_it() {
     let cfg = write_config("typo", "pool_tokenz = 5\n");
-    let out = bulkhead().args(["check", "--config"]).arg(&cfg).output().unwrap();
+    let out = bulkhead()
+        .args(["check", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("pool_tokenz"));
 }
@@ -68,15 +87,25 @@ fn models_fetch_without_pip_fails_with_a_clear_message() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("cannot run pip") && err.contains("bulkhead models fetch"), "{err}");
-    assert!(!err.contains("panicked") && !err.contains("stack backtrace"), "{err}");
+    assert!(
+        err.contains("cannot run pip") && err.contains("bulkhead models fetch"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("panicked") && !err.contains("stack backtrace"),
+        "{err}"
+    );
 }
 
 #[test]
 fn models_fetch_is_idempotent() {
     // The first run may download; the second must find everything in place.
     let first = bulkhead().args(["models", "fetch"]).output().unwrap();
-    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
     let second = bulkhead().args(["models", "fetch"]).output().unwrap();
     assert!(second.status.success());
     let err = String::from_utf8_lossy(&second.stderr);
@@ -92,5 +121,8 @@ fn a_node_with_a_too_small_pool_refuses_to_start() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("refusing to start") && err.contains("16384"), "{err}");
+    assert!(
+        err.contains("refusing to start") && err.contains("16384"),
+        "{err}"
+    );
 }
