@@ -578,7 +578,7 @@ impl Worker {
                 .observe((now - t).as_secs_f64()),
         }
         r.last_token_at = Some(now);
-        if model.tokenizer.is_stop(id) {
+        if model.tokenizer.is_stop(id) && !r.params.ignore_eos {
             let rest = r.text.flush();
             if !rest.is_empty() {
                 let _ = r.events.send(GenEvent::Token { text: rest });

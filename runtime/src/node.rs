@@ -131,6 +131,8 @@ impl NodeConfig {
 /// Everything a node serves.
 pub struct Node {
     pub role: Role,
+    /// GPUs found at startup (empty on a CPU-only machine).
+    pub gpus: Vec<crate::device::GpuInfo>,
     pub safety_factor: f64,
     pub text: BTreeMap<String, Arc<Engine>>,
     pub embed: BTreeMap<String, Arc<BertEmbedder>>,
@@ -142,6 +144,10 @@ impl Node {
     /// Load every model, size the pools, run the startup capacity check, start the engines.
     /// Fails (the node does not start) when any pool is too small for its model.
     pub fn start(cfg: &NodeConfig) -> anyhow::Result<Node> {
+        let gpus = crate::device::discover_gpus();
+        for g in &gpus {
+            tracing::info!(ordinal = g.ordinal, name = %g.name, free_mib = g.free_bytes >> 20, "GPU found");
+        }
         let device = crate::device::select()?;
         let metrics = Arc::new(NodeMetrics::new());
         let models_dir = cfg.models_dir();
@@ -219,6 +225,7 @@ impl Node {
         }
         Ok(Node {
             role: cfg.role,
+            gpus,
             safety_factor: cfg.safety_factor,
             text,
             embed,

@@ -18,6 +18,8 @@ pub struct SamplingParams {
     pub repetition_penalty: Option<f32>,
     pub max_tokens: usize,
     pub stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens until `max_tokens` (benchmarks; as vLLM).
+    pub ignore_eos: bool,
 }
 
 impl Default for SamplingParams {
@@ -30,6 +32,7 @@ impl Default for SamplingParams {
             repetition_penalty: None,
             max_tokens: 256,
             stop: Vec::new(),
+            ignore_eos: false,
         }
     }
 }

@@ -87,6 +87,7 @@ pub struct ModelState {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeState {
     pub role: Role,
+    pub gpus: Vec<crate::device::GpuInfo>,
     pub safety_factor: f64,
     pub models: Vec<ModelState>,
 }
@@ -157,6 +158,7 @@ pub fn node_state(node: &Node) -> NodeState {
     }));
     NodeState {
         role: node.role,
+        gpus: node.gpus.clone(),
         safety_factor: node.safety_factor,
         models,
     }

@@ -369,3 +369,38 @@ async fn embeddings_over_http() {
             .contains("limit of 512")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_that_disconnects_mid_stream_frees_its_pages() {
+    let n = TestNode::start(512, None, 2.0, EngineConfig::default()).await;
+    let mut body = ask("t", "Write a long story about a dragon.", 300);
+    body["stream"] = json!(true);
+    body["ignore_eos"] = json!(true);
+    let mut r = n
+        .http
+        .post(format!("http://{}/v1/generate", n.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let first = r.chunk().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("data: "));
+    assert!(!n.pool_is_full(), "the sequence holds pages while it runs");
+    drop(r);
+    // The engine notices between steps; wait for it, bounded.
+    let mut freed = false;
+    for _ in 0..200 {
+        if n.pool_is_full() && n.node.text[SMOLLM2_NAME].running() == 0 {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(freed, "pages of a cancelled request must come back");
+    // And the node still serves.
+    let (status, _, _) = n
+        .generate(ask("t", "What is the capital of France?", 8))
+        .await;
+    assert_eq!(status, 200);
+}

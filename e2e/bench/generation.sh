@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Side-by-side generation benchmark: Bulkhead vs llama.cpp on the same GGUF and thread count,
+# interleaved per thread count so both see the same machine load. Not a test.
+# usage: e2e/bench/generation.sh            (installs llama-cpp-python into e2e/.venv-bench)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+venv=e2e/.venv-bench
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+  # llama-cpp-python builds llama.cpp from source (about 15 minutes on 2 cores).
+  CMAKE_ARGS="-DGGML_NATIVE=ON" "$venv/bin/pip" install -q llama-cpp-python==0.3.36 numpy
+fi
+cargo run --quiet --bin bulkhead -- models fetch
+model="${BULKHEAD_MODELS:-$HOME/.cache/bulkhead/models}/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+cargo bench --no-run -p bulkhead-runtime --bench generation 2>/dev/null
+out=$(mktemp)
+for threads in 1 2; do
+  for weights in q8_0 native; do
+    RAYON_NUM_THREADS=$threads CANDLE_NUM_THREADS=$threads BENCH_WEIGHTS=$weights \
+      cargo bench --quiet -p bulkhead-runtime --bench generation 2>/dev/null | tail -1 >>"$out"
+  done
+  "$venv/bin/python" e2e/bench/llamacpp_generation.py "$model" "$threads" 2>/dev/null | tail -1 >>"$out"
+done
+python3 - "$out" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+cols = ["prefill_tok_s", "decode_1_tok_s", "decode_4_tok_s", "decode_16_tok_s"]
+print(f"{'engine':<10} {'weights':<14} {'threads':>7} " + " ".join(f"{c:>16}" for c in cols))
+for r in rows:
+    print(f"{r['engine']:<10} {r['weights']:<14} {r['threads']:>7} " + " ".join(f"{r[c]:>16.1f}" for c in cols))
+PY
