@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
+use bulkhead_platform::config::ServeConfig;
 use bulkhead_runtime::models::fetch::{BUNDLED, default_cache_dir, fetch_all};
 use bulkhead_runtime::node::{Node, NodeConfig, Role};
 use clap::{Parser, Subcommand};
@@ -22,6 +23,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the control plane with an embedded inference node (the single-machine default:
+    /// SQLite under the data dir, bundled models).
+    Serve(ServeArgs),
     /// Run an inference node serving its models over the node API.
     Node(NodeArgs),
     /// Pre-deployment check of a node configuration: exits non-zero, with the numbers, when a
@@ -41,6 +45,27 @@ enum Command {
 enum ModelsCommand {
     /// Fetch the bundled models into the cache ($BULKHEAD_MODELS).
     Fetch,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Configuration (TOML); environment variables and flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long, env = "BULKHEAD_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// Data directory (the default SQLite database lives here).
+    #[arg(long, env = "BULKHEAD_DATA")]
+    data: Option<PathBuf>,
+    /// `sqlite://...` or `postgres://...`.
+    #[arg(long, env = "BULKHEAD_DATABASE_URL")]
+    database_url: Option<String>,
+    /// The admin token (generated and printed once on first boot when unset).
+    #[arg(long, env = "BULKHEAD_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// Minimum ratio of KV pool tokens to a model's context window (at least 1.0).
+    #[arg(long)]
+    safety_factor: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -77,6 +102,7 @@ fn main() -> std::process::ExitCode {
         } => fetch_all(&default_cache_dir()),
         Command::Check { config } => check(&config),
         Command::Node(args) => run_node(args),
+        Command::Serve(args) => run_serve(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -148,4 +174,68 @@ fn run_node(args: NodeArgs) -> anyhow::Result<()> {
         .await?;
         Ok(())
     })
+}
+
+fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut cfg = match &args.config {
+        None => ServeConfig::default(),
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            ServeConfig::from_toml(&text).with_context(|| format!("parsing {}", p.display()))?
+        }
+    };
+    if let Some(l) = args.listen {
+        cfg.listen = l;
+    }
+    if let Some(d) = args.data {
+        cfg.data_dir = Some(d);
+    }
+    if let Some(u) = args.database_url {
+        cfg.database_url = Some(u);
+    }
+    if let Some(t) = args.admin_token {
+        cfg.admin_token = Some(t);
+    }
+    if let Some(f) = args.safety_factor {
+        cfg.node.safety_factor = f;
+    }
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async move {
+        let (state, generated) = bulkhead_platform::serve::build(&cfg).await?;
+        if let Some(token) = generated {
+            // Shown once; only its hash is stored.
+            println!("admin token (shown once, store it now): {token}");
+        }
+        let listener = tokio::net::TcpListener::bind(cfg.listen)
+            .await
+            .with_context(|| format!("binding {}", cfg.listen))?;
+        tracing::info!(
+            "control plane listening on http://{}",
+            listener.local_addr()?
+        );
+        bulkhead_platform::serve::run(state, listener, shutdown_signal()).await?;
+        tracing::info!("drained; bye");
+        Ok(())
+    })
+}
+
+/// Ctrl-C or SIGTERM: stop accepting, let in-flight requests finish.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
 }

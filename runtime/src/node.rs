@@ -234,6 +234,40 @@ impl Node {
         })
     }
 
+    /// Admit and embed `texts` with the embedding model `model`: (vectors, input tokens).
+    /// Batches run on a blocking thread, a bounded number at a time.
+    pub async fn embed(
+        &self,
+        model: &str,
+        texts: Vec<String>,
+    ) -> Result<(Vec<Vec<f32>>, usize), crate::error::RuntimeError> {
+        use crate::error::RuntimeError;
+        let embedder = self
+            .embed
+            .get(model)
+            .cloned()
+            .ok_or_else(|| RuntimeError::UnknownModel(model.to_string()))?;
+        let permit = self
+            .embed_permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|e| RuntimeError::Internal(e.to_string()))?;
+        let (data, tokens) = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let counts = embedder.admit(&texts)?;
+            let data = embedder.embed(&texts)?;
+            Ok::<_, RuntimeError>((data, counts.iter().sum::<usize>()))
+        })
+        .await
+        .map_err(|e| RuntimeError::Internal(e.to_string()))??;
+        self.metrics
+            .embeddings
+            .get_or_create(&crate::metrics::label(model))
+            .inc_by(data.len() as u64);
+        Ok((data, tokens))
+    }
+
     /// The models with their windows, as the capacity check and the control plane see them.
     pub fn served_models(&self) -> Vec<ServedModel> {
         self.text

@@ -21,7 +21,6 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use crate::engine::{FinishReason, GenEvent, GenerateRequest, PromptInput, Usage};
 use crate::error::RuntimeError;
 use crate::kv::PoolStats;
-use crate::metrics::label;
 use crate::models::tokenizer::ChatMessage;
 use crate::node::{Node, Role};
 use crate::sampling::SamplingParams;
@@ -285,37 +284,12 @@ async fn embed(
     body: axum::body::Bytes,
 ) -> Result<Response, ApiError> {
     let body: EmbedBody = parse(&body)?;
-    let embedder = node
-        .embed
-        .get(&body.model)
-        .cloned()
-        .ok_or_else(|| RuntimeError::UnknownModel(body.model.clone()))?;
-    let permit = node
-        .embed_permits
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(|e| RuntimeError::Internal(e.to_string()))?;
-    let texts = body.texts;
-    let (counts, data) = tokio::task::spawn_blocking(move || {
-        let _permit = permit;
-        let counts = embedder.admit(&texts)?;
-        let data = embedder.embed(&texts)?;
-        Ok::<_, RuntimeError>((counts, data))
-    })
-    .await
-    .map_err(|e| RuntimeError::Internal(e.to_string()))??;
-    node.metrics
-        .embeddings
-        .get_or_create(&label(&body.model))
-        .inc_by(data.len() as u64);
+    let (data, prompt_tokens) = node.embed(&body.model, body.texts).await?;
     let dims = data.first().map_or(0, |v| v.len());
     Ok(Json(EmbedResponse {
         shape: [data.len(), dims],
         data,
-        usage: EmbedUsage {
-            prompt_tokens: counts.iter().sum(),
-        },
+        usage: EmbedUsage { prompt_tokens },
     })
     .into_response())
 }

@@ -1,0 +1,77 @@
+//! The control plane's shared state and its HTTP router.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::routing::{delete, get, patch, post};
+use bulkhead_runtime::node::Node;
+
+use crate::catalog::Catalog;
+use crate::limits::RateLimiter;
+use crate::routes::{admin, openai, workers_ai};
+use crate::store::Store;
+
+/// Largest request body a tenant may send.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+
+pub struct AppState {
+    pub store: Store,
+    pub catalog: Arc<Catalog>,
+    /// The embedded inference node (the single-machine default).
+    pub node: Arc<Node>,
+    pub limits: RateLimiter,
+    pub safety_factor: f64,
+}
+
+pub type SharedState = Arc<AppState>;
+
+pub fn router(state: SharedState) -> Router {
+    let account = "/client/v4/accounts/{account_id}/ai";
+    Router::new()
+        .route(&format!("{account}/run/{{*model}}"), post(workers_ai::run))
+        .route(
+            &format!("{account}/models/search"),
+            get(workers_ai::models_search),
+        )
+        .route(
+            &format!("{account}/models/schema"),
+            get(workers_ai::models_schema),
+        )
+        .route(&format!("{account}/usage"), get(workers_ai::usage))
+        .route(
+            &format!("{account}/v1/chat/completions"),
+            post(openai::chat_completions_for_account),
+        )
+        .route(
+            &format!("{account}/v1/embeddings"),
+            post(openai::embeddings_for_account),
+        )
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/embeddings", post(openai::embeddings))
+        .route(
+            "/admin/v1/tenants",
+            post(admin::create_tenant).get(admin::list_tenants),
+        )
+        .route(
+            "/admin/v1/tenants/{id}/tokens",
+            post(admin::create_token).get(admin::list_tokens),
+        )
+        .route("/admin/v1/tokens/{token_id}", delete(admin::revoke_token))
+        .route(
+            "/admin/v1/models",
+            get(admin::list_models).post(admin::create_model),
+        )
+        .route("/admin/v1/models/{*name}", patch(admin::update_model))
+        .route("/admin/v1/nodes", get(admin::list_nodes))
+        .route("/admin/v1/audit", get(admin::list_audit))
+        .route(
+            "/health",
+            get(|| async { axum::Json(serde_json::json!({"status": "ok"})) }),
+        )
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+async fn metrics(axum::extract::State(state): axum::extract::State<SharedState>) -> String {
+    state.node.metrics.encode()
+}

@@ -1,0 +1,80 @@
+//! The model catalog as every request sees it: an in-memory copy of the `models` table,
+//! refreshed whenever the database's catalog version moves. A replica that changes a model
+//! updates its own copy at once; the others see the new version within one poll interval,
+//! which keeps "private means off" within a second on every replica sharing the database.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use parking_lot::RwLock;
+
+use crate::store::{ModelRecord, Store, Visibility};
+
+/// How often a replica checks the catalog version.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(200);
+
+#[derive(Default)]
+pub struct Catalog {
+    models: RwLock<BTreeMap<String, ModelRecord>>,
+    version: AtomicI64,
+}
+
+impl Catalog {
+    pub async fn load(store: &Store) -> Result<Arc<Catalog>, crate::store::StoreError> {
+        let c = Arc::new(Catalog::default());
+        c.reload(store).await?;
+        Ok(c)
+    }
+
+    /// Re-read every model and the version from the database.
+    pub async fn reload(&self, store: &Store) -> Result<(), crate::store::StoreError> {
+        let version = store.catalog_version().await?;
+        let models = store.list_models().await?;
+        *self.models.write() = models.into_iter().map(|m| (m.name.clone(), m)).collect();
+        self.version.store(version, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Poll the database's catalog version and reload on change, until the process ends.
+    pub fn spawn_refresher(self: &Arc<Self>, store: Store) {
+        let catalog = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(POLL_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match store.catalog_version().await {
+                    Ok(v) if v != catalog.version.load(Ordering::SeqCst) => {
+                        if let Err(e) = catalog.reload(&store).await {
+                            tracing::warn!("catalog reload failed: {e}");
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("catalog version check failed: {e}"),
+                }
+            }
+        });
+    }
+
+    pub fn all(&self) -> Vec<ModelRecord> {
+        self.models.read().values().cloned().collect()
+    }
+
+    pub fn get(&self, name: &str) -> Option<ModelRecord> {
+        self.models.read().get(name).cloned()
+    }
+
+    /// The model if `tenant` may use it: public, or private with the tenant on its allow-list.
+    pub fn visible_to(&self, name: &str, tenant: &str) -> Option<ModelRecord> {
+        self.get(name).filter(|m| is_visible(m, tenant))
+    }
+}
+
+pub fn is_visible(m: &ModelRecord, tenant: &str) -> bool {
+    match m.visibility {
+        Visibility::Public => true,
+        Visibility::Private => m.allow.iter().any(|t| t == tenant),
+    }
+}

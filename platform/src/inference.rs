@@ -1,0 +1,236 @@
+//! From an authorised request to a model's output: visibility, rate limits, routing to a
+//! node that serves the model and fits it, and usage metering. Every route (Workers AI,
+//! OpenAI, later workers) comes through here, so the rules are the same everywhere.
+
+use std::sync::Arc;
+
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use bulkhead_runtime::admission::required_pool_tokens;
+use bulkhead_runtime::engine::{Engine, GenEvent, GenerateRequest, PromptInput, Usage};
+use bulkhead_runtime::sampling::SamplingParams;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::app::{AppState, SharedState};
+use crate::envelope::ApiError;
+use crate::limits::Task;
+use crate::store::ModelRecord;
+
+pub const TASK_TEXT_GENERATION: &str = "text-generation";
+pub const TASK_TEXT_EMBEDDINGS: &str = "text-embeddings";
+
+/// The model `name` as `tenant` may see it, or the same 400 as a model that does not exist.
+pub fn resolve_model(state: &AppState, tenant: &str, name: &str) -> Result<ModelRecord, ApiError> {
+    state
+        .catalog
+        .visible_to(name, tenant)
+        .ok_or_else(|| ApiError::no_such_model(name))
+}
+
+/// Count the request against the tenant's limit; 429 with `retry-after` when over it.
+/// Returns the `x-ratelimit-*` headers to put on the response.
+pub fn rate_limit(state: &AppState, tenant: &str, task: Task) -> Result<HeaderMap, ApiError> {
+    let d = state.limits.check(tenant, task);
+    let mut h = HeaderMap::new();
+    h.insert("x-ratelimit-limit", HeaderValue::from(d.limit));
+    h.insert("x-ratelimit-remaining", HeaderValue::from(d.remaining));
+    h.insert("x-ratelimit-reset", HeaderValue::from(d.reset_s));
+    if d.allowed {
+        return Ok(h);
+    }
+    let mut e = ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        3021,
+        "rate_limited",
+        "rate limiting: inference request per min rate reached",
+    )
+    .with_header(header::RETRY_AFTER, HeaderValue::from(d.reset_s));
+    e.headers
+        .extend(h.into_iter().filter_map(|(k, v)| Some((k?, v))));
+    Err(e)
+}
+
+/// A node's fit for a model: its pool against the catalog window times the safety factor.
+pub fn pool_fits(engine: &Engine, model: &ModelRecord, factor: f64) -> Result<(), String> {
+    let pool = engine.pool().capacity_tokens();
+    let required = required_pool_tokens(model.context_window.max(0) as usize, factor);
+    if pool < required {
+        return Err(format!(
+            "node pool of {pool} tokens is smaller than context window {} x safety factor {factor} = {required}",
+            model.context_window
+        ));
+    }
+    Ok(())
+}
+
+/// The engine that will serve `model`: a node that serves it and whose pool fits it.
+fn route_text(state: &AppState, model: &ModelRecord) -> Result<Arc<Engine>, ApiError> {
+    let engine = state
+        .node
+        .text
+        .get(&model.name)
+        .ok_or_else(|| ApiError::unavailable(format!("no node serves {}", model.name)))?;
+    pool_fits(engine, model, state.safety_factor)
+        .map_err(|why| ApiError::unavailable(format!("no node can serve {}: {why}", model.name)))?;
+    Ok(engine.clone())
+}
+
+/// A generation that has produced its first token (or finished): its status is settled.
+pub struct StartedText {
+    pub prompt_tokens: usize,
+    pub first: Vec<GenEvent>,
+    pub rest: UnboundedReceiver<GenEvent>,
+}
+
+/// Submit a generation and wait for its first token, so that every admission, queueing and
+/// prefill failure is still a proper error status.
+pub async fn start_text(
+    state: &SharedState,
+    tenant: &str,
+    model: &ModelRecord,
+    input: PromptInput,
+    params: SamplingParams,
+) -> Result<StartedText, ApiError> {
+    let engine = route_text(state, model)?;
+    let req = GenerateRequest {
+        tenant: tenant.to_string(),
+        input,
+        params,
+    };
+    let submitted = tokio::task::spawn_blocking(move || engine.submit(req))
+        .await
+        .map_err(ApiError::internal)?;
+    let sub = match submitted {
+        Ok(s) => s,
+        Err(e) => {
+            meter(state, tenant, &model.name, 0, 0, Some(e.code()));
+            return Err(e.into());
+        }
+    };
+    let mut rest = sub.events;
+    loop {
+        match rest.recv().await {
+            None => return Err(ApiError::internal("engine dropped the request")),
+            Some(GenEvent::Admitted { .. }) => continue,
+            Some(GenEvent::Error(e)) => {
+                meter(
+                    state,
+                    tenant,
+                    &model.name,
+                    sub.prompt_tokens as i64,
+                    0,
+                    Some(e.code()),
+                );
+                return Err(e.into());
+            }
+            Some(ev) => {
+                return Ok(StartedText {
+                    prompt_tokens: sub.prompt_tokens,
+                    first: vec![ev],
+                    rest,
+                });
+            }
+        }
+    }
+}
+
+/// Collect a started generation into its full text.
+pub async fn collect_text(
+    state: &SharedState,
+    tenant: &str,
+    model: &str,
+    mut started: StartedText,
+) -> Result<(String, Usage, bulkhead_runtime::engine::FinishReason), ApiError> {
+    let mut text = String::new();
+    let mut pending: std::collections::VecDeque<GenEvent> = started.first.drain(..).collect();
+    loop {
+        let ev = match pending.pop_front() {
+            Some(ev) => ev,
+            None => started
+                .rest
+                .recv()
+                .await
+                .ok_or_else(|| ApiError::internal("engine dropped the request"))?,
+        };
+        match ev {
+            GenEvent::Admitted { .. } => {}
+            GenEvent::Token { text: t } => text.push_str(&t),
+            GenEvent::Done {
+                usage,
+                finish_reason,
+            } => {
+                meter(
+                    state,
+                    tenant,
+                    model,
+                    usage.prompt_tokens as i64,
+                    usage.completion_tokens as i64,
+                    None,
+                );
+                return Ok((text, usage, finish_reason));
+            }
+            GenEvent::Error(e) => {
+                meter(
+                    state,
+                    tenant,
+                    model,
+                    started.prompt_tokens as i64,
+                    0,
+                    Some(e.code()),
+                );
+                return Err(e.into());
+            }
+        }
+    }
+}
+
+/// Embed `texts` with `model` on a node that serves it.
+pub async fn embed(
+    state: &SharedState,
+    tenant: &str,
+    model: &ModelRecord,
+    texts: Vec<String>,
+) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+    if !state.node.embed.contains_key(&model.name) {
+        return Err(ApiError::unavailable(format!(
+            "no node serves {}",
+            model.name
+        )));
+    }
+    let result = state.node.embed(&model.name, texts).await;
+    match result {
+        Ok((data, tokens)) => {
+            meter(state, tenant, &model.name, tokens as i64, 0, None);
+            Ok((data, tokens))
+        }
+        Err(e) => {
+            meter(state, tenant, &model.name, 0, 0, Some(e.code()));
+            Err(e.into())
+        }
+    }
+}
+
+/// Record one request's usage in the background (the response does not wait for it).
+pub fn meter(
+    state: &SharedState,
+    tenant: &str,
+    model: &str,
+    input: i64,
+    output: i64,
+    error: Option<&str>,
+) {
+    let state = state.clone();
+    let (tenant, model, error) = (
+        tenant.to_string(),
+        model.to_string(),
+        error.map(str::to_string),
+    );
+    tokio::spawn(async move {
+        if let Err(e) = state
+            .store
+            .record_usage(&tenant, &model, input, output, error.as_deref())
+            .await
+        {
+            tracing::warn!("usage not recorded: {e}");
+        }
+    });
+}

@@ -1,0 +1,13 @@
+//! Bulkhead control plane: tenants, tokens, the model catalog with its visibility toggle and
+//! publish gate, the Workers-AI and OpenAI APIs, usage and audit. See `ARCHITECTURE.md`.
+
+pub mod app;
+pub mod auth;
+pub mod catalog;
+pub mod config;
+pub mod envelope;
+pub mod inference;
+pub mod limits;
+pub mod routes;
+pub mod serve;
+pub mod store;

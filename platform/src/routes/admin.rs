@@ -1,0 +1,341 @@
+//! The admin API under `/admin/v1/` (admin token only). Every change is in the audit log.
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::Response;
+use serde::Deserialize;
+
+use super::read_json;
+use crate::app::SharedState;
+use crate::auth;
+use crate::envelope::{ApiError, ok};
+use crate::inference::{TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION, pool_fits};
+use crate::store::{AuditFilter, ModelRecord, Principal, Scope, Visibility};
+
+fn actor(p: &Principal) -> String {
+    format!("admin:{}", p.token_id)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewTenant {
+    name: String,
+}
+
+pub async fn create_tenant(
+    State(s): State<SharedState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let p = auth::admin(&s.store, &headers).await?;
+    let req: NewTenant = read_json(body).await?;
+    if req.name.trim().is_empty() {
+        return Err(ApiError::bad_input("name must not be empty"));
+    }
+    let t = s.store.create_tenant(req.name.trim()).await?;
+    let after = serde_json::to_value(&t).map_err(ApiError::internal)?;
+    s.store
+        .audit(&actor(&p), "tenant.create", &t.id, None, Some(&after))
+        .await?;
+    Ok(ok(t))
+}
+
+pub async fn list_tenants(
+    State(s): State<SharedState>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    auth::admin(&s.store, &headers).await?;
+    Ok(ok(s.store.list_tenants().await?))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct NewToken {
+    name: Option<String>,
+}
+
+pub async fn create_token(
+    State(s): State<SharedState>,
+    Path(tenant_id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let p = auth::admin(&s.store, &headers).await?;
+    // An empty body is allowed here: the name is optional.
+    let bytes = super::read_body(body).await?;
+    let req: NewToken = if bytes.is_empty() {
+        NewToken::default()
+    } else {
+        serde_json::from_slice(&bytes).map_err(ApiError::bad_input)?
+    };
+    if s.store.get_tenant(&tenant_id).await?.is_none() {
+        return Err(ApiError::not_found(format!("no tenant {tenant_id}")));
+    }
+    let created = s
+        .store
+        .create_token(&tenant_id, req.name.as_deref(), Scope::Tenant)
+        .await?;
+    // The audit log records the token's id and prefix, never its secret.
+    let after = serde_json::json!({"id": created.id, "prefix": created.prefix, "tenant": tenant_id, "name": req.name});
+    s.store
+        .audit(&actor(&p), "token.create", &tenant_id, None, Some(&after))
+        .await?;
+    Ok(ok(created))
+}
+
+pub async fn list_tokens(
+    State(s): State<SharedState>,
+    Path(tenant_id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    auth::admin(&s.store, &headers).await?;
+    Ok(ok(s.store.list_tokens(&tenant_id).await?))
+}
+
+pub async fn revoke_token(
+    State(s): State<SharedState>,
+    Path(token_id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let p = auth::admin(&s.store, &headers).await?;
+    if !s.store.revoke_token(&token_id).await? {
+        return Err(ApiError::not_found(format!("no active token {token_id}")));
+    }
+    let after = serde_json::json!({"id": token_id, "revoked": true});
+    s.store
+        .audit(&actor(&p), "token.revoke", &token_id, None, Some(&after))
+        .await?;
+    Ok(ok(serde_json::json!({"id": token_id})))
+}
+
+/// Why each node that serves `m` can or cannot take it (the pre-deployment gate).
+fn gate(s: &SharedState, m: &ModelRecord) -> Vec<serde_json::Value> {
+    let mut out = Vec::new();
+    if let Some(engine) = s.node.text.get(&m.name) {
+        let check = pool_fits(engine, m, s.safety_factor);
+        out.push(serde_json::json!({
+            "node": "embedded",
+            "pool_tokens": engine.pool().capacity_tokens(),
+            "required_tokens": bulkhead_runtime::admission::required_pool_tokens(m.context_window.max(0) as usize, s.safety_factor),
+            "fits": check.is_ok(),
+            "reason": check.err(),
+        }));
+    } else if s.node.embed.contains_key(&m.name) {
+        out.push(serde_json::json!({"node": "embedded", "fits": true, "reason": null}));
+    }
+    out
+}
+
+fn model_view(s: &SharedState, m: &ModelRecord) -> serde_json::Value {
+    let mut v = serde_json::to_value(m).unwrap_or_default();
+    let nodes = gate(s, m);
+    let blocked: Vec<String> = nodes
+        .iter()
+        .filter_map(|n| n["reason"].as_str().map(str::to_string))
+        .collect();
+    v["nodes"] = serde_json::json!(nodes);
+    v["publishable"] = serde_json::json!(blocked.is_empty());
+    v["publish_blocked_reason"] = serde_json::json!(blocked.first());
+    v
+}
+
+pub async fn list_models(
+    State(s): State<SharedState>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    auth::admin(&s.store, &headers).await?;
+    let models: Vec<serde_json::Value> = s
+        .store
+        .list_models()
+        .await?
+        .iter()
+        .map(|m| model_view(&s, m))
+        .collect();
+    Ok(ok(models))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewModel {
+    name: String,
+    task: String,
+    context_window: i64,
+    #[serde(default)]
+    max_output_tokens: i64,
+    #[serde(default)]
+    description: String,
+    #[serde(default)]
+    properties: Option<serde_json::Value>,
+}
+
+pub async fn create_model(
+    State(s): State<SharedState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let p = auth::admin(&s.store, &headers).await?;
+    let req: NewModel = read_json(body).await?;
+    if !req.name.starts_with('@') || req.name.split('/').count() < 3 {
+        return Err(ApiError::bad_input("model names look like @cf/author/name"));
+    }
+    if req.task != TASK_TEXT_GENERATION && req.task != TASK_TEXT_EMBEDDINGS {
+        return Err(ApiError::bad_input(format!(
+            "task must be {TASK_TEXT_GENERATION} or {TASK_TEXT_EMBEDDINGS}"
+        )));
+    }
+    if req.context_window < 1 || req.max_output_tokens < 0 {
+        return Err(ApiError::bad_input(
+            "context_window must be at least 1 and max_output_tokens not negative",
+        ));
+    }
+    let record = ModelRecord {
+        name: req.name,
+        task: req.task,
+        description: req.description,
+        context_window: req.context_window,
+        max_output_tokens: req.max_output_tokens,
+        // New models start private: they go public through the gate.
+        visibility: Visibility::Private,
+        visibility_reason: Some("new model".into()),
+        allow: vec![],
+        properties: req.properties.unwrap_or_else(|| serde_json::json!({})),
+        created_at: 0,
+        updated_at: 0,
+    };
+    let created = s.store.create_model(&record).await?;
+    let after = serde_json::to_value(&created).map_err(ApiError::internal)?;
+    s.store
+        .audit(
+            &actor(&p),
+            "model.create",
+            &created.name,
+            None,
+            Some(&after),
+        )
+        .await?;
+    s.catalog.reload(&s.store).await?;
+    Ok(ok(model_view(&s, &created)))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelPatch {
+    visibility: Visibility,
+    reason: Option<String>,
+    allow: Option<Vec<String>>,
+}
+
+pub async fn update_model(
+    State(s): State<SharedState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let p = auth::admin(&s.store, &headers).await?;
+    let req: ModelPatch = read_json(body).await?;
+    let current = s
+        .store
+        .get_model(&name)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no model {name}")))?;
+    if let Some(allow) = &req.allow {
+        for t in allow {
+            if s.store.get_tenant(t).await?.is_none() {
+                return Err(ApiError::bad_input(format!(
+                    "allow-list names unknown tenant {t}"
+                )));
+            }
+        }
+    }
+    if req.visibility == Visibility::Public {
+        // The publish gate: no node that serves it may have a pool too small for it.
+        if let Some(why) = gate(&s, &current)
+            .iter()
+            .find_map(|n| n["reason"].as_str().map(str::to_string))
+        {
+            return Err(ApiError::conflict(format!(
+                "cannot make {name} public: {why}"
+            )));
+        }
+    }
+    let (before, after) = s
+        .store
+        .set_visibility(&name, req.visibility, req.reason.as_deref(), req.allow)
+        .await?;
+    let (b, a) = (
+        serde_json::to_value(&before).map_err(ApiError::internal)?,
+        serde_json::to_value(&after).map_err(ApiError::internal)?,
+    );
+    s.store
+        .audit(&actor(&p), "model.visibility", &name, Some(&b), Some(&a))
+        .await?;
+    // This replica applies it now; others within one catalog poll.
+    s.catalog.reload(&s.store).await?;
+    Ok(ok(model_view(&s, &after)))
+}
+
+pub async fn list_nodes(
+    State(s): State<SharedState>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    auth::admin(&s.store, &headers).await?;
+    let state = bulkhead_runtime::server::node_state(&s.node);
+    let catalog = s.catalog.all();
+    let models: Vec<serde_json::Value> = state
+        .models
+        .iter()
+        .map(|m| {
+            let window = catalog
+                .iter()
+                .find(|c| c.name == m.name)
+                .map_or(m.context_window as i64, |c| c.context_window);
+            let required = bulkhead_runtime::admission::required_pool_tokens(
+                window.max(0) as usize,
+                s.safety_factor,
+            );
+            let pool_tokens = m.pool.map(|p| p.capacity_tokens);
+            serde_json::json!({
+                "name": m.name, "task": m.task, "context_window": window,
+                "required_pool_tokens": m.pool.map(|_| required),
+                "fits": pool_tokens.is_none_or(|p| p >= required),
+                "pool": m.pool, "queue_depth": m.queue_depth, "running": m.running,
+            })
+        })
+        .collect();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as i64;
+    Ok(ok(serde_json::json!([{
+        "id": "embedded",
+        "role": state.role,
+        "address": "in-process",
+        "healthy": true,
+        "last_heartbeat": now,
+        "safety_factor": s.safety_factor,
+        "gpus": state.gpus,
+        "models": models,
+    }])))
+}
+
+#[derive(Deserialize)]
+pub struct AuditQuery {
+    model: Option<String>,
+    tenant: Option<String>,
+    limit: Option<i64>,
+}
+
+pub async fn list_audit(
+    State(s): State<SharedState>,
+    Query(q): Query<AuditQuery>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    auth::admin(&s.store, &headers).await?;
+    let f = AuditFilter {
+        model: q.model,
+        tenant: q.tenant,
+        limit: q.limit.unwrap_or(100).clamp(1, 1000),
+    };
+    Ok(ok(s.store.list_audit(&f).await?))
+}

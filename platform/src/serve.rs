@@ -1,0 +1,151 @@
+//! `bulkhead serve`: start the embedded node, open the database, seed the catalog with the
+//! models the node serves, and serve the APIs.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use bulkhead_runtime::models::fetch::BUNDLED;
+use bulkhead_runtime::node::Node;
+
+use crate::app::{AppState, SharedState, router};
+use crate::catalog::Catalog;
+use crate::config::ServeConfig;
+use crate::inference::{TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
+use crate::limits::RateLimiter;
+use crate::store::{ModelRecord, Store, Visibility};
+
+/// Largest completion a bundled text model accepts per request.
+const BUNDLED_MAX_OUTPUT_TOKENS: i64 = 2048;
+
+/// Build the state: node, database, admin token, catalog. Returns the state and, on a first
+/// boot without a configured admin token, the generated one (to print once).
+pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<String>)> {
+    let cache = cfg.node.models_dir();
+    if BUNDLED.iter().any(|p| !p.is_present(&cache)) {
+        let c = cache.clone();
+        tokio::task::spawn_blocking(move || bulkhead_runtime::models::fetch::fetch_all(&c))
+            .await??;
+    }
+    let node_cfg = cfg.node.clone();
+    let node = Arc::new(tokio::task::spawn_blocking(move || Node::start(&node_cfg)).await??);
+
+    if cfg.database_url.is_none() {
+        std::fs::create_dir_all(cfg.data_dir())
+            .with_context(|| format!("creating data dir {}", cfg.data_dir().display()))?;
+    }
+    let url = cfg.database_url();
+    let store = Store::connect(&url)
+        .await
+        .with_context(|| format!("opening database {}", redact(&url)))?;
+    tracing::info!("database: {} ({})", store.backend(), redact(&url));
+
+    let mut generated = None;
+    match &cfg.admin_token {
+        Some(t) => store.ensure_admin_token(t).await?,
+        None if !store.has_admin_token().await? => {
+            generated = Some(store.create_admin_token("bootstrap").await?.token);
+        }
+        None => {}
+    }
+
+    seed_catalog(&store, &node).await?;
+    let catalog = Catalog::load(&store).await?;
+    catalog.spawn_refresher(store.clone());
+    let state = Arc::new(AppState {
+        store,
+        catalog,
+        safety_factor: cfg.node.safety_factor,
+        node,
+        limits: RateLimiter::new(cfg.limits),
+    });
+    Ok((state, generated))
+}
+
+/// Make sure every model the node serves is in the catalog: added public when missing; an
+/// entry already there (an operator's visibility, window, description) is left as it is.
+async fn seed_catalog(store: &Store, node: &Node) -> anyhow::Result<()> {
+    for (name, engine) in &node.text {
+        let window = engine.model().context_window as i64;
+        create_if_missing(
+            store,
+            ModelRecord {
+                name: name.clone(),
+                task: TASK_TEXT_GENERATION.into(),
+                description: "SmolLM2-135M-Instruct (llama architecture), bundled".into(),
+                context_window: window,
+                max_output_tokens: BUNDLED_MAX_OUTPUT_TOKENS.min(window),
+                visibility: Visibility::Public,
+                visibility_reason: None,
+                allow: vec![],
+                properties: serde_json::json!({}),
+                created_at: 0,
+                updated_at: 0,
+            },
+        )
+        .await?;
+    }
+    for (name, e) in &node.embed {
+        create_if_missing(
+            store,
+            ModelRecord {
+                name: name.clone(),
+                task: TASK_TEXT_EMBEDDINGS.into(),
+                description: "all-MiniLM-L6-v2 sentence embeddings, bundled".into(),
+                context_window: e.max_tokens as i64,
+                max_output_tokens: 0,
+                visibility: Visibility::Public,
+                visibility_reason: None,
+                allow: vec![],
+                properties: serde_json::json!({
+                    "output_dimensions": e.dims.to_string(),
+                    "max_input_tokens": e.max_tokens.to_string(),
+                }),
+                created_at: 0,
+                updated_at: 0,
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+async fn create_if_missing(store: &Store, m: ModelRecord) -> anyhow::Result<()> {
+    match store.create_model(&m).await {
+        Ok(_) | Err(crate::store::StoreError::Conflict(_)) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// A database URL with its password hidden, for logs.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => match url[s + 3..at].split_once(':') {
+            Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+            None => url.to_string(),
+        },
+        _ => url.to_string(),
+    }
+}
+
+/// Serve until `shutdown` resolves; in-flight requests drain first.
+pub async fn run(
+    state: SharedState,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn passwords_are_redacted_from_logged_urls() {
+        assert_eq!(
+            super::redact("postgres://u:secret@h/db"),
+            "postgres://u:***@h/db"
+        );
+        assert_eq!(super::redact("sqlite:///x.db"), "sqlite:///x.db");
+    }
+}

@@ -1,0 +1,365 @@
+//! Persistent storage of the control plane: tenants, API tokens, the model catalog, usage and
+//! the audit log (DESIGN.md invariant 6, "Nothing lost").
+//!
+//! One code path serves SQLite and PostgreSQL through [`sqlx::AnyPool`]: queries use `$N`
+//! placeholders (both backends accept them), timestamps are `BIGINT` unix milliseconds, enums
+//! and JSON are `TEXT`. The migrations under `migrations/sqlite` and `migrations/postgres`
+//! hold the same schema in each dialect; [`Store::connect`] picks one by URL scheme and runs it.
+
+mod audit;
+mod models;
+mod tenants;
+mod tokens;
+mod usage;
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::{AnyPool, Row, SqlSafeStr};
+
+/// What a token may do: call the tenant APIs of its own tenant, or the admin API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    Tenant,
+    Admin,
+}
+
+impl Scope {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Tenant => "tenant",
+            Scope::Admin => "admin",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self, StoreError> {
+        match s {
+            "tenant" => Ok(Scope::Tenant),
+            "admin" => Ok(Scope::Admin),
+            other => Err(StoreError::Other(format!(
+                "bad scope in database: {other:?}"
+            ))),
+        }
+    }
+}
+
+/// Whether every tenant sees a model, or only those on its allow-list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Visibility {
+    Public,
+    Private,
+}
+
+impl Visibility {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Visibility::Public => "public",
+            Visibility::Private => "private",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self, StoreError> {
+        match s {
+            "public" => Ok(Visibility::Public),
+            "private" => Ok(Visibility::Private),
+            other => Err(StoreError::Other(format!(
+                "bad visibility in database: {other:?}"
+            ))),
+        }
+    }
+}
+
+/// A tenant (account). `id` is the account id: 32 lowercase hex chars.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tenant {
+    pub id: String,
+    pub name: String,
+    pub created_at: i64,
+}
+
+/// A freshly created token. `token` is the secret, shown once and never stored in clear.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreatedToken {
+    pub id: String,
+    pub token: String,
+    pub prefix: String,
+}
+
+/// What is stored about a token (never the secret).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenInfo {
+    pub id: String,
+    /// `""` for admin tokens.
+    pub tenant_id: String,
+    pub name: Option<String>,
+    pub prefix: String,
+    pub scope: Scope,
+    pub created_at: i64,
+    pub revoked_at: Option<i64>,
+}
+
+/// Who an authenticated request acts as.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Principal {
+    pub token_id: String,
+    /// `""` for admin tokens.
+    pub tenant_id: String,
+    pub scope: Scope,
+}
+
+/// A catalog entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelRecord {
+    pub name: String,
+    pub task: String,
+    pub description: String,
+    pub context_window: i64,
+    pub max_output_tokens: i64,
+    pub visibility: Visibility,
+    pub visibility_reason: Option<String>,
+    /// Tenant ids that see the model while it is private.
+    pub allow: Vec<String>,
+    pub properties: serde_json::Value,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+/// Usage of one model by one tenant on one UTC day.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageRow {
+    pub tenant_id: String,
+    pub model: String,
+    /// `YYYY-MM-DD`, UTC.
+    pub day: String,
+    pub requests: i64,
+    pub input_tokens: i64,
+    pub output_tokens: i64,
+    /// Error code -> count.
+    pub errors: BTreeMap<String, i64>,
+}
+
+/// One audit-log entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AuditEntry {
+    pub id: i64,
+    pub at: i64,
+    pub actor: String,
+    pub action: String,
+    pub target: String,
+    pub before: Option<serde_json::Value>,
+    pub after: Option<serde_json::Value>,
+}
+
+/// Filter for [`Store::list_audit`]. `limit <= 0` means the default (100).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditFilter {
+    pub model: Option<String>,
+    pub tenant: Option<String>,
+    pub limit: i64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("conflict: {0}")]
+    Conflict(String),
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+impl From<sqlx::migrate::MigrateError> for StoreError {
+    fn from(e: sqlx::migrate::MigrateError) -> Self {
+        StoreError::Other(format!("migration failed: {e}"))
+    }
+}
+
+impl From<serde_json::Error> for StoreError {
+    fn from(e: serde_json::Error) -> Self {
+        StoreError::Other(format!("bad JSON: {e}"))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// The control plane's database. Cheap to clone (a pool handle).
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+const SQLITE_INIT: &str = include_str!("../../../migrations/sqlite/0001_init.sql");
+const POSTGRES_INIT: &str = include_str!("../../../migrations/postgres/0001_init.sql");
+
+/// The embedded migrations of one backend (what `sqlx::migrate!` would build; built by hand
+/// because the workspace does not enable sqlx's `macros` feature). Checksums are the same as
+/// the macro's, so switching to it later is seamless.
+fn migrator(backend: Backend) -> Migrator {
+    let sql = match backend {
+        Backend::Sqlite => SQLITE_INIT,
+        Backend::Postgres => POSTGRES_INIT,
+    };
+    Migrator::with_migrations(vec![Migration::new(
+        1,
+        Cow::Borrowed("init"),
+        MigrationType::Simple,
+        sql.into_sql_str(),
+        false,
+    )])
+}
+
+impl Store {
+    /// Connects and runs the migrations. Accepts `sqlite://path[?...]`, `sqlite:path`,
+    /// `sqlite::memory:` and `postgres://...` (or `postgresql://`). A SQLite file is created
+    /// if missing (unless the URL sets `mode=` itself).
+    pub async fn connect(url: &str) -> Result<Store, StoreError> {
+        sqlx::any::install_default_drivers();
+        let (backend, url, in_memory) = normalize_url(url)?;
+        let mut opts = AnyPoolOptions::new().acquire_timeout(Duration::from_secs(30));
+        if in_memory {
+            // Every connection to `:memory:` is its own database: keep exactly one, forever.
+            opts = opts
+                .max_connections(1)
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None);
+        } else if backend == Backend::Sqlite {
+            opts = opts.max_connections(4);
+        } else {
+            opts = opts.max_connections(10);
+        }
+        let pool = opts.connect(&url).await?;
+        if backend == Backend::Sqlite && !in_memory {
+            // WAL lets readers run beside the writer. It is a persistent property of the file;
+            // set it once here, before the pool opens more connections.
+            sqlx::query("PRAGMA journal_mode = WAL")
+                .fetch_optional(&pool)
+                .await?;
+        }
+        migrator(backend).run(&pool).await?;
+        Ok(Store { pool, backend })
+    }
+
+    /// `"sqlite"` or `"postgres"`.
+    pub fn backend(&self) -> &'static str {
+        match self.backend {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+        }
+    }
+
+    /// The underlying pool, for callers that need a query this module does not offer.
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// Closes the pool, waiting for connections to be returned.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+/// Returns the backend, the URL to hand to sqlx, and whether it is an in-memory SQLite DB.
+fn normalize_url(url: &str) -> Result<(Backend, String, bool), StoreError> {
+    let scheme = url.split(':').next().unwrap_or("");
+    match scheme {
+        "postgres" | "postgresql" => Ok((Backend::Postgres, url.to_string(), false)),
+        "sqlite" => {
+            let in_memory = url == "sqlite::memory:"
+                || url.starts_with("sqlite::memory:?")
+                || url.contains("mode=memory");
+            if in_memory {
+                return Ok((Backend::Sqlite, url.to_string(), true));
+            }
+            let has_mode = url
+                .split_once('?')
+                .is_some_and(|(_, q)| q.split('&').any(|kv| kv.starts_with("mode=")));
+            let url = if has_mode {
+                url.to_string()
+            } else if url.contains('?') {
+                format!("{url}&mode=rwc")
+            } else {
+                format!("{url}?mode=rwc")
+            };
+            Ok((Backend::Sqlite, url, false))
+        }
+        other => Err(StoreError::Other(format!(
+            "unsupported database URL scheme {other:?} (want sqlite: or postgres:)"
+        ))),
+    }
+}
+
+/// Unix milliseconds now.
+pub(crate) fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// The UTC day (`YYYY-MM-DD`) of a unix-millisecond timestamp.
+pub fn utc_day(ms: i64) -> String {
+    let days = ms.div_euclid(86_400_000);
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+fn get<'r, T>(row: &'r AnyRow, col: &str) -> Result<T, StoreError>
+where
+    T: sqlx::Decode<'r, sqlx::Any> + sqlx::Type<sqlx::Any>,
+{
+    Ok(row.try_get::<T, _>(col)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_days() {
+        assert_eq!(utc_day(0), "1970-01-01");
+        assert_eq!(utc_day(951_782_400_000), "2000-02-29");
+        assert_eq!(utc_day(1_709_251_199_999), "2024-02-29");
+        assert_eq!(utc_day(1_709_251_200_000), "2024-03-01");
+        assert_eq!(utc_day(-1), "1969-12-31");
+    }
+
+    #[test]
+    fn urls() {
+        let (b, u, m) = normalize_url("sqlite:///tmp/x.db").unwrap();
+        assert_eq!(
+            (b, u.as_str(), m),
+            (Backend::Sqlite, "sqlite:///tmp/x.db?mode=rwc", false)
+        );
+        let (_, u, _) = normalize_url("sqlite://x.db?mode=ro").unwrap();
+        assert_eq!(u, "sqlite://x.db?mode=ro");
+        assert!(normalize_url("sqlite::memory:").unwrap().2);
+        assert_eq!(
+            normalize_url("postgres://h/db").unwrap().0,
+            Backend::Postgres
+        );
+        assert!(normalize_url("mysql://h/db").is_err());
+    }
+}

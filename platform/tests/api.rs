@@ -1,0 +1,719 @@
+//! The control plane over real HTTP on loopback, with the embedded node on the real bundled
+//! models and SQLite under a temporary data dir.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use bulkhead_platform::config::ServeConfig;
+use bulkhead_platform::limits::RateLimits;
+use bulkhead_runtime::node::{MINILM_NAME, SMOLLM2_NAME};
+use serde_json::{Value, json};
+
+const TEXT: &str = SMOLLM2_NAME;
+const EMBED: &str = MINILM_NAME;
+
+struct Server {
+    addr: SocketAddr,
+    admin: String,
+    http: reqwest::Client,
+    data: PathBuf,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    done: Option<tokio::task::JoinHandle<()>>,
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "bulkhead-api-{tag}-{}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn rand_suffix() -> u64 {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
+
+fn config(data: &std::path::Path, limits: RateLimits) -> ServeConfig {
+    let mut cfg = ServeConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        data_dir: Some(data.to_path_buf()),
+        admin_token: Some("admin-secret-for-tests".into()),
+        limits,
+        ..ServeConfig::default()
+    };
+    // A small window keeps the pool (and the test) small: 512 x 2.0 = 1024 tokens.
+    for m in &mut cfg.node.text_models {
+        m.context_window = Some(512);
+    }
+    cfg
+}
+
+impl Server {
+    async fn start_with(data: PathBuf, cfg: ServeConfig) -> Server {
+        let (state, _) = bulkhead_platform::serve::build(&cfg).await.unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let done = tokio::spawn(async move {
+            bulkhead_platform::serve::run(state, listener, async {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap();
+        });
+        Server {
+            addr,
+            admin: cfg.admin_token.clone().unwrap(),
+            http: reqwest::Client::new(),
+            data,
+            shutdown: Some(tx),
+            done: Some(done),
+        }
+    }
+
+    async fn start(tag: &str) -> Server {
+        let data = temp_dir(tag);
+        let cfg = config(&data, RateLimits::default());
+        Server::start_with(data, cfg).await
+    }
+
+    async fn stop(mut self) -> PathBuf {
+        let _ = self.shutdown.take().unwrap().send(());
+        self.done.take().unwrap().await.unwrap();
+        self.data.clone()
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    async fn admin_call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let mut r = self
+            .http
+            .request(method, self.url(path))
+            .bearer_auth(&self.admin);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        let resp = r.send().await.unwrap();
+        (resp.status().as_u16(), resp.json().await.unwrap())
+    }
+
+    /// A new tenant and a token for it: (account id, token id, secret).
+    async fn tenant(&self, name: &str) -> (String, String, String) {
+        let (s, t) = self
+            .admin_call(
+                reqwest::Method::POST,
+                "/admin/v1/tenants",
+                Some(json!({"name": name})),
+            )
+            .await;
+        assert_eq!(s, 200, "{t}");
+        let id = t["result"]["id"].as_str().unwrap().to_string();
+        let (s, tok) = self
+            .admin_call(
+                reqwest::Method::POST,
+                &format!("/admin/v1/tenants/{id}/tokens"),
+                Some(json!({"name": "test"})),
+            )
+            .await;
+        assert_eq!(s, 200, "{tok}");
+        (
+            id,
+            tok["result"]["id"].as_str().unwrap().into(),
+            tok["result"]["token"].as_str().unwrap().into(),
+        )
+    }
+
+    async fn run(
+        &self,
+        account: &str,
+        token: &str,
+        model_path: &str,
+        body: Value,
+    ) -> reqwest::Response {
+        self.http
+            .post(self.url(&format!(
+                "/client/v4/accounts/{account}/ai/run/{model_path}"
+            )))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+}
+
+async fn json_of(r: reqwest::Response) -> (u16, Value, reqwest::header::HeaderMap) {
+    let s = r.status().as_u16();
+    let h = r.headers().clone();
+    (s, r.json().await.unwrap(), h)
+}
+
+fn assert_error(status: u16, body: &Value, want_status: u16, want_code: u64) {
+    assert_eq!(status, want_status, "{body}");
+    assert_eq!(body["success"], false, "{body}");
+    assert_eq!(body["errors"][0]["code"], want_code, "{body}");
+    assert!(body["result"].is_object(), "{body}");
+}
+
+const FRANCE: &str = "What is the capital of France?";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenant_runs_text_generation_and_embeddings_with_raw_or_encoded_model_paths() {
+    let srv = Server::start("run").await;
+    let (acct, _, tok) = srv.tenant("acme").await;
+    for path in [TEXT.to_string(), TEXT.replace('/', "%2F")] {
+        let (s, body, headers) = json_of(
+            srv.run(
+                &acct,
+                &tok,
+                &path,
+                json!({"prompt": FRANCE, "temperature": 0, "max_tokens": 24}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(s, 200, "{path}: {body}");
+        assert_eq!(body["success"], true);
+        assert!(
+            body["result"]["response"]
+                .as_str()
+                .unwrap()
+                .contains("Paris"),
+            "{body}"
+        );
+        assert!(body["result"]["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+        assert!(headers.contains_key("x-ratelimit-remaining"));
+    }
+    let (s, body, _) = json_of(
+        srv.run(
+            &acct,
+            &tok,
+            EMBED,
+            json!({"text": ["a cat sits on the mat", "a kitten rests on a rug"]}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(body["result"]["shape"], json!([2, 384]));
+    assert_eq!(body["result"]["pooling"], "mean");
+    // messages variant
+    let (s, body, _) = json_of(
+        srv.run(
+            &acct,
+            &tok,
+            TEXT,
+            json!({"messages": [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": FRANCE}], "temperature": 0, "max_tokens": 24}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(s, 200, "{body}");
+    assert!(
+        body["result"]["response"]
+            .as_str()
+            .unwrap()
+            .contains("Paris")
+    );
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_error_has_its_status_and_code() {
+    let srv = Server::start("errors").await;
+    let (acct, tok_id, tok) = srv.tenant("acme").await;
+    let (other_acct, _, other_tok) = srv.tenant("globex").await;
+    let ok_body = json!({"prompt": "hi", "max_tokens": 4});
+
+    // 401: no token, bad token
+    let r = srv
+        .http
+        .post(srv.url(&format!("/client/v4/accounts/{acct}/ai/run/{TEXT}")))
+        .json(&ok_body)
+        .send()
+        .await
+        .unwrap();
+    let (s, b, _) = json_of(r).await;
+    assert_error(s, &b, 401, 10000);
+    let (s, b, _) = json_of(
+        srv.run(&acct, "bh_not_a_token", TEXT, ok_body.clone())
+            .await,
+    )
+    .await;
+    assert_error(s, &b, 401, 10000);
+    // 403: another tenant's account; an admin token on the tenant API
+    let (s, b, _) = json_of(srv.run(&acct, &other_tok, TEXT, ok_body.clone()).await).await;
+    assert_error(s, &b, 403, 10000);
+    let (s, b, _) = json_of(
+        srv.run(&other_acct, &srv.admin, TEXT, ok_body.clone())
+            .await,
+    )
+    .await;
+    assert_error(s, &b, 403, 10000);
+    // 400/5007 unknown model
+    let (s, b, _) = json_of(
+        srv.run(&acct, &tok, "@cf/nobody/nothing", ok_body.clone())
+            .await,
+    )
+    .await;
+    assert_error(s, &b, 400, 5007);
+    // 400/5006 bad input
+    for bad in [
+        json!({"prompt": "hi", "temperature": 9}),
+        json!({"prompt": "hi", "top_k": 99}),
+        json!({}),
+        json!({"prompt": "hi", "messages": []}),
+        json!({"prompt": "hi", "bogus": true}),
+    ] {
+        let (s, b, _) = json_of(srv.run(&acct, &tok, TEXT, bad.clone()).await).await;
+        assert_error(s, &b, 400, 5006);
+    }
+    // 413/3006 body too large
+    let huge = json!({"prompt": "x".repeat(2 << 20)});
+    let (s, b, _) = json_of(srv.run(&acct, &tok, TEXT, huge).await).await;
+    assert_error(s, &b, 413, 3006);
+    // 413/5021 context window, with the numbers
+    let long: String = (0..600).map(|i| format!("w{i} ")).collect();
+    let (s, b, _) = json_of(
+        srv.run(&acct, &tok, TEXT, json!({"prompt": long, "max_tokens": 16}))
+            .await,
+    )
+    .await;
+    assert_error(s, &b, 413, 5021);
+    let msg = b["errors"][0]["message"].as_str().unwrap();
+    assert!(msg.contains("exceeds context window 512"), "{msg}");
+    let (s, b, _) = json_of(
+        srv.run(
+            &acct,
+            &tok,
+            TEXT,
+            json!({"prompt": "hi", "max_tokens": 600}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(s, 400, "max_tokens over the model's output limit: {b}");
+    // a revoked token gets 401
+    let (s, _) = srv
+        .admin_call(
+            reqwest::Method::DELETE,
+            &format!("/admin/v1/tokens/{tok_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200);
+    let (s, b, _) = json_of(srv.run(&acct, &tok, TEXT, ok_body).await).await;
+    assert_error(s, &b, 401, 10000);
+    // tenant tokens cannot use the admin API
+    let r = srv
+        .http
+        .get(srv.url("/admin/v1/tenants"))
+        .bearer_auth(&other_tok)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rate_limits_answer_429_with_retry_after() {
+    let data = temp_dir("ratelimit");
+    let cfg = config(
+        &data,
+        RateLimits {
+            text_generation_per_min: 2,
+            embeddings_per_min: 3000,
+        },
+    );
+    let srv = Server::start_with(data, cfg).await;
+    let (acct, _, tok) = srv.tenant("acme").await;
+    let body = json!({"prompt": "hi", "max_tokens": 2});
+    let mut statuses = vec![];
+    let mut last = None;
+    for _ in 0..3 {
+        let (s, b, h) = json_of(srv.run(&acct, &tok, TEXT, body.clone()).await).await;
+        statuses.push(s);
+        last = Some((s, b, h));
+    }
+    // Two fit in the window; the third is refused (unless the minute rolled over between).
+    let (s, b, h) = last.unwrap();
+    if statuses == [200, 200, 429] {
+        assert_error(s, &b, 429, 3021);
+        assert!(h.contains_key("retry-after"));
+        assert_eq!(h["x-ratelimit-remaining"], "0");
+    } else {
+        assert!(
+            statuses.iter().filter(|&&s| s == 200).count() >= 2,
+            "{statuses:?}"
+        );
+    }
+    // Embeddings have their own budget.
+    let (s, _, _) = json_of(srv.run(&acct, &tok, EMBED, json!({"text": "hello"})).await).await;
+    assert_eq!(s, 200);
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_private_model_answers_400_to_everyone_off_its_allow_list_and_is_audited() {
+    let srv = Server::start("private").await;
+    let (acct, _, tok) = srv.tenant("acme").await;
+    let (friend, _, friend_tok) = srv.tenant("friend").await;
+    let body = json!({"prompt": FRANCE, "temperature": 0, "max_tokens": 8});
+    let path = format!("/admin/v1/models/{}", TEXT.replace('/', "%2F"));
+    let (s, b) = srv
+        .admin_call(
+            reqwest::Method::PATCH,
+            &path,
+            Some(json!({"visibility": "private", "reason": "incident 42", "allow": [friend]})),
+        )
+        .await;
+    assert_eq!(s, 200, "{b}");
+    let (s, b, _) = json_of(srv.run(&acct, &tok, TEXT, body.clone()).await).await;
+    assert_error(s, &b, 400, 5007);
+    // Same answer as a model that does not exist.
+    let (_, missing, _) = json_of(
+        srv.run(&acct, &tok, "@cf/nobody/nothing", body.clone())
+            .await,
+    )
+    .await;
+    assert_eq!(
+        b["errors"][0]["message"]
+            .as_str()
+            .unwrap()
+            .replace(TEXT, "X"),
+        missing["errors"][0]["message"]
+            .as_str()
+            .unwrap()
+            .replace("@cf/nobody/nothing", "X")
+    );
+    // Not listed in search either; the allow-listed tenant is served.
+    let r = srv
+        .http
+        .get(srv.url(&format!("/client/v4/accounts/{acct}/ai/models/search")))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .unwrap();
+    let listed: Value = r.json().await.unwrap();
+    assert!(
+        !listed["result"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["name"] == TEXT)
+    );
+    let (s, _, _) = json_of(srv.run(&friend, &friend_tok, TEXT, body.clone()).await).await;
+    assert_eq!(s, 200);
+    // The audit log has it, newest first, with before and after.
+    let (_, audit) = srv
+        .admin_call(
+            reqwest::Method::GET,
+            &format!("/admin/v1/audit?model={}", TEXT.replace('/', "%2F")),
+            None,
+        )
+        .await;
+    let entry = &audit["result"][0];
+    assert_eq!(entry["action"], "model.visibility");
+    assert_eq!(entry["before"]["visibility"], "public");
+    assert_eq!(entry["after"]["visibility"], "private");
+    assert_eq!(entry["after"]["visibility_reason"], "incident 42");
+    // Back to public: served again.
+    let (s, _) = srv
+        .admin_call(
+            reqwest::Method::PATCH,
+            &path,
+            Some(json!({"visibility": "public"})),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let (s, b, _) = json_of(srv.run(&acct, &tok, TEXT, body).await).await;
+    assert_eq!(s, 200, "{b}");
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn publishing_a_model_whose_node_pool_is_too_small_fails_with_409_and_numbers() {
+    let data = temp_dir("gate");
+    // The catalog records the model's native window (8192) before the node comes up serving
+    // it with a 512 window and a 1024-token pool: the node fits what it serves, but not the
+    // window the catalog would promise.
+    let cfg = config(&data, RateLimits::default());
+    let store = bulkhead_platform::store::Store::connect(&cfg.database_url())
+        .await
+        .unwrap();
+    store
+        .create_model(&bulkhead_platform::store::ModelRecord {
+            name: TEXT.into(),
+            task: "text-generation".into(),
+            description: "pre-registered".into(),
+            context_window: 8192,
+            max_output_tokens: 256,
+            visibility: bulkhead_platform::store::Visibility::Private,
+            visibility_reason: Some("staging".into()),
+            allow: vec![],
+            properties: json!({}),
+            created_at: 0,
+            updated_at: 0,
+        })
+        .await
+        .unwrap();
+    drop(store);
+    let srv = Server::start_with(data, cfg).await;
+    let path = format!("/admin/v1/models/{}", TEXT.replace('/', "%2F"));
+    let (s, b) = srv
+        .admin_call(
+            reqwest::Method::PATCH,
+            &path,
+            Some(json!({"visibility": "public"})),
+        )
+        .await;
+    assert_eq!(s, 409, "{b}");
+    let msg = b["errors"][0]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("1024") && msg.contains("8192") && msg.contains("16384"),
+        "{msg}"
+    );
+    let (_, models) = srv
+        .admin_call(reqwest::Method::GET, "/admin/v1/models", None)
+        .await;
+    let m = models["result"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == TEXT)
+        .unwrap();
+    assert_eq!(m["publishable"], false);
+    assert_eq!(m["visibility"], "private");
+    let (_, nodes) = srv
+        .admin_call(reqwest::Method::GET, "/admin/v1/nodes", None)
+        .await;
+    let nm = nodes["result"][0]["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == TEXT)
+        .unwrap();
+    assert_eq!(nm["fits"], false, "{nm}");
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn streaming_search_schema_usage_and_openai_shapes() {
+    let srv = Server::start("shapes").await;
+    let (acct, _, tok) = srv.tenant("acme").await;
+    // Workers AI SSE
+    let r = srv
+        .run(
+            &acct,
+            &tok,
+            TEXT,
+            json!({"prompt": FRANCE, "temperature": 0, "max_tokens": 16, "stream": true}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    let frames: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(*frames.last().unwrap(), "[DONE]");
+    let parsed: Vec<Value> = frames[..frames.len() - 1]
+        .iter()
+        .map(|f| serde_json::from_str(f).unwrap())
+        .collect();
+    assert!(
+        parsed
+            .iter()
+            .all(|f| f["p"].is_string() && f["response"].is_string())
+    );
+    assert!(
+        parsed.last().unwrap()["usage"]["completion_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    let joined: String = parsed
+        .iter()
+        .map(|f| f["response"].as_str().unwrap())
+        .collect();
+    assert!(joined.contains("Paris"), "{joined}");
+
+    // search: pagination until an empty page, filters
+    let search = |q: String| {
+        let srv = &srv;
+        let (acct, tok) = (acct.clone(), tok.clone());
+        async move {
+            let r = srv
+                .http
+                .get(srv.url(&format!("/client/v4/accounts/{acct}/ai/models/search{q}")))
+                .bearer_auth(&tok)
+                .send()
+                .await
+                .unwrap();
+            r.json::<Value>().await.unwrap()
+        }
+    };
+    let p1 = search("?per_page=1".into()).await;
+    assert_eq!(p1["result"].as_array().unwrap().len(), 1);
+    assert_eq!(p1["result_info"]["total_count"], 2);
+    assert_eq!(
+        search("?per_page=1&page=3".into()).await["result"],
+        json!([])
+    );
+    let emb = search("?task=Text%20Embeddings".into()).await;
+    assert_eq!(emb["result"][0]["name"], EMBED);
+    assert_eq!(
+        search("?search=smollm".into()).await["result"][0]["name"],
+        TEXT
+    );
+    let r = srv
+        .http
+        .get(srv.url(&format!(
+            "/client/v4/accounts/{acct}/ai/models/schema?model={}",
+            TEXT.replace('/', "%2F")
+        )))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .unwrap();
+    let schema: Value = r.json().await.unwrap();
+    assert!(schema["result"]["input"]["oneOf"].is_array());
+
+    // OpenAI chat completion, both mounts
+    for path in [
+        format!("/client/v4/accounts/{acct}/ai/v1/chat/completions"),
+        "/v1/chat/completions".to_string(),
+    ] {
+        let r = srv.http.post(srv.url(&path)).bearer_auth(&tok)
+            .json(&json!({"model": TEXT, "messages": [{"role": "user", "content": FRANCE}], "temperature": 0, "max_tokens": 16}))
+            .send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let c: Value = r.json().await.unwrap();
+        assert_eq!(c["object"], "chat.completion");
+        assert!(
+            c["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .contains("Paris"),
+            "{c}"
+        );
+        assert!(c["usage"]["total_tokens"].as_u64().unwrap() > 0);
+    }
+    // OpenAI embeddings, float and base64
+    let r = srv
+        .http
+        .post(srv.url("/v1/embeddings"))
+        .bearer_auth(&tok)
+        .json(&json!({"model": EMBED, "input": ["a", "b"]}))
+        .send()
+        .await
+        .unwrap();
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["data"][1]["embedding"].as_array().unwrap().len(), 384);
+    let r = srv
+        .http
+        .post(srv.url("/v1/embeddings"))
+        .bearer_auth(&tok)
+        .json(&json!({"model": EMBED, "input": "a", "encoding_format": "base64"}))
+        .send()
+        .await
+        .unwrap();
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(
+        e["data"][0]["embedding"].as_str().unwrap().len(),
+        384 * 4 * 4 / 3
+    );
+    // OpenAI-shaped errors
+    let r = srv
+        .http
+        .post(srv.url("/v1/chat/completions"))
+        .bearer_auth(&tok)
+        .json(&json!({"model": "@cf/no/such", "messages": []}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+
+    // usage is metered (in the background: wait for it, bounded)
+    let mut seen = false;
+    for _ in 0..50 {
+        let r = srv
+            .http
+            .get(srv.url(&format!("/client/v4/accounts/{acct}/ai/usage")))
+            .bearer_auth(&tok)
+            .send()
+            .await
+            .unwrap();
+        let u: Value = r.json().await.unwrap();
+        let rows = u["result"].as_array().unwrap();
+        if rows
+            .iter()
+            .any(|r| r["model"] == TEXT && r["requests"].as_i64().unwrap() >= 3)
+        {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(seen, "usage rows for the text model");
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restart_loses_nothing() {
+    let srv = Server::start("restart").await;
+    let (acct, _, tok) = srv.tenant("acme").await;
+    let path = format!("/admin/v1/models/{}", EMBED.replace('/', "%2F"));
+    let (s, _) = srv
+        .admin_call(
+            reqwest::Method::PATCH,
+            &path,
+            Some(json!({"visibility": "private", "reason": "kept"})),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let data = srv.stop().await;
+    let cfg = config(&data, RateLimits::default());
+    let srv = Server::start_with(data, cfg).await;
+    // The token still works, the model is still private, the audit entry is still there.
+    let (s, b, _) = json_of(srv.run(&acct, &tok, EMBED, json!({"text": "hi"})).await).await;
+    assert_error(s, &b, 400, 5007);
+    let (s, _, _) = json_of(
+        srv.run(&acct, &tok, TEXT, json!({"prompt": "hi", "max_tokens": 2}))
+            .await,
+    )
+    .await;
+    assert_eq!(s, 200);
+    let (_, audit) = srv
+        .admin_call(reqwest::Method::GET, "/admin/v1/audit", None)
+        .await;
+    let actions: Vec<&str> = audit["result"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["action"].as_str().unwrap())
+        .collect();
+    assert!(
+        actions.contains(&"model.visibility")
+            && actions.contains(&"tenant.create")
+            && actions.contains(&"token.create"),
+        "{actions:?}"
+    );
+    srv.stop().await;
+}
