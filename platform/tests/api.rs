@@ -717,3 +717,102 @@ async fn a_restart_loses_nothing() {
     );
     srv.stop().await;
 }
+
+/// A fresh PostgreSQL schema for one test: (url that uses it, admin url to drop it).
+async fn postgres_schema() -> (String, String) {
+    let base = std::env::var("BULKHEAD_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let schema = format!("bh_replicas_{}", rand_suffix());
+    let admin = sqlx::postgres::PgPool::connect(&base)
+        .await
+        .expect("PostgreSQL at 127.0.0.1:5432");
+    // The schema name is ours (a fixed prefix and digits), not input.
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    admin.close().await;
+    let sep = if base.contains('?') { '&' } else { '?' };
+    (
+        format!("{base}{sep}options=-csearch_path%3D{schema}"),
+        format!("{base}#{schema}"),
+    )
+}
+
+async fn drop_schema(admin: &str) {
+    let (base, schema) = admin.split_once('#').unwrap();
+    let pool = sqlx::postgres::PgPool::connect(base).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_replicas_sharing_postgres_both_take_a_model_offline() {
+    let (url, admin_url) = postgres_schema().await;
+    let mut replicas = Vec::new();
+    for tag in ["replica-a", "replica-b"] {
+        let data = temp_dir(tag);
+        let mut cfg = config(&data, RateLimits::default());
+        cfg.database_url = Some(url.clone());
+        replicas.push(Server::start_with(data, cfg).await);
+    }
+    let (a, b) = (&replicas[0], &replicas[1]);
+    // A tenant made on one replica exists on the other.
+    let (acct, _, tok) = a.tenant("acme").await;
+    let body = json!({"prompt": "hi", "max_tokens": 1});
+    let (s, _, _) = json_of(b.run(&acct, &tok, TEXT, body.clone()).await).await;
+    assert_eq!(s, 200);
+
+    let path = format!("/admin/v1/models/{}", TEXT.replace('/', "%2F"));
+    let (s, _) = a
+        .admin_call(
+            reqwest::Method::PATCH,
+            &path,
+            Some(json!({"visibility": "private", "reason": "incident"})),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let changed = std::time::Instant::now();
+    // The replica that made the change answers 400 at once.
+    let (s, bd, _) = json_of(a.run(&acct, &tok, TEXT, body.clone()).await).await;
+    assert_error(s, &bd, 400, 5007);
+    // The other one follows within its catalog poll (200 ms by design); wait, bounded.
+    let mut flipped = None;
+    for _ in 0..200 {
+        let (s, bd, _) = json_of(b.run(&acct, &tok, TEXT, body.clone()).await).await;
+        if s == 400 {
+            assert_error(s, &bd, 400, 5007);
+            flipped = Some(changed.elapsed());
+            break;
+        }
+        assert_eq!(s, 200, "{bd}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let flipped = flipped.expect("the second replica must take the model offline");
+    eprintln!("second replica answered 400 after {flipped:?}");
+    // And back.
+    let (s, _) = b
+        .admin_call(
+            reqwest::Method::PATCH,
+            &path,
+            Some(json!({"visibility": "public"})),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let mut back = false;
+    for _ in 0..200 {
+        let (s, _, _) = json_of(a.run(&acct, &tok, TEXT, body.clone()).await).await;
+        if s == 200 {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(back, "the first replica serves it again");
+    for r in replicas {
+        r.stop().await;
+    }
+    drop_schema(&admin_url).await;
+}
