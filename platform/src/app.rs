@@ -5,6 +5,8 @@ use std::sync::Arc;
 use axum::Router;
 use axum::routing::{delete, get, patch, post};
 use bulkhead_runtime::node::Node;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
 
 use crate::catalog::Catalog;
 use crate::limits::RateLimiter;
@@ -21,6 +23,8 @@ pub struct AppState {
     pub node: Arc<Node>,
     pub limits: RateLimiter,
     pub safety_factor: f64,
+    /// Shared rate limits and catalog fan-out, when Redis is configured.
+    pub redis: Option<crate::redis_bus::RedisBus>,
 }
 
 pub type SharedState = Arc<AppState>;
@@ -70,7 +74,21 @@ pub fn router(state: SharedState) -> Router {
         )
         .route("/metrics", get(metrics))
         .with_state(state)
+        // Outermost last: every request gets an id (the client's `x-request-id`, or a new
+        // UUID), logged in its span and returned in the response's `x-request-id`.
+        .layer(PropagateRequestIdLayer::new(REQUEST_ID.clone()))
+        .layer(TraceLayer::new_for_http().make_span_with(|req: &axum::extract::Request| {
+            let id = req
+                .headers()
+                .get(&REQUEST_ID)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("-");
+            tracing::info_span!("request", id = %id, method = %req.method(), path = %req.uri().path())
+        }))
+        .layer(SetRequestIdLayer::new(REQUEST_ID.clone(), MakeRequestUuid))
 }
+
+static REQUEST_ID: axum::http::HeaderName = axum::http::HeaderName::from_static("x-request-id");
 
 async fn metrics(axum::extract::State(state): axum::extract::State<SharedState>) -> String {
     state.node.metrics.encode()

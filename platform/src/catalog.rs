@@ -37,6 +37,33 @@ impl Catalog {
         Ok(())
     }
 
+    /// Reload after a change this replica made, and tell the others through Redis.
+    pub async fn changed(
+        &self,
+        store: &Store,
+        redis: Option<&crate::redis_bus::RedisBus>,
+    ) -> Result<(), crate::store::StoreError> {
+        self.reload(store).await?;
+        if let Some(r) = redis {
+            r.publish_catalog_change(self.version.load(Ordering::SeqCst))
+                .await;
+        }
+        Ok(())
+    }
+
+    /// Reload whenever another replica publishes a change (Redis).
+    pub fn follow(self: &Arc<Self>, store: Store, redis: &crate::redis_bus::RedisBus) {
+        let catalog = self.clone();
+        redis.on_catalog_change(move || {
+            let (catalog, store) = (catalog.clone(), store.clone());
+            async move {
+                if let Err(e) = catalog.reload(&store).await {
+                    tracing::warn!("catalog reload failed: {e}");
+                }
+            }
+        });
+    }
+
     /// Poll the database's catalog version and reload on change, until the process ends.
     pub fn spawn_refresher(self: &Arc<Self>, store: Store) {
         let catalog = self.clone();

@@ -18,6 +18,10 @@ pub struct ServeConfig {
     pub database_url: Option<String>,
     /// The admin token; generated and printed once on first boot when unset.
     pub admin_token: Option<String>,
+    /// Redis for rate limits shared across replicas and catalog-change fan-out.
+    pub redis_url: Option<String>,
+    /// Prefix of every Redis key and channel.
+    pub redis_prefix: String,
     pub limits: RateLimits,
     /// The embedded inference node (its `safety_factor` is also the catalog's publish gate).
     pub node: NodeConfig,
@@ -30,6 +34,8 @@ impl Default for ServeConfig {
             data_dir: None,
             database_url: None,
             admin_token: None,
+            redis_url: None,
+            redis_prefix: "bulkhead".into(),
             limits: RateLimits::default(),
             node: NodeConfig::default(),
         }

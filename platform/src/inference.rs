@@ -28,8 +28,8 @@ pub fn resolve_model(state: &AppState, tenant: &str, name: &str) -> Result<Model
 
 /// Count the request against the tenant's limit; 429 with `retry-after` when over it.
 /// Returns the `x-ratelimit-*` headers to put on the response.
-pub fn rate_limit(state: &AppState, tenant: &str, task: Task) -> Result<HeaderMap, ApiError> {
-    let d = state.limits.check(tenant, task);
+pub async fn rate_limit(state: &AppState, tenant: &str, task: Task) -> Result<HeaderMap, ApiError> {
+    let d = state.limits.check(tenant, task).await;
     let mut h = HeaderMap::new();
     h.insert("x-ratelimit-limit", HeaderValue::from(d.limit));
     h.insert("x-ratelimit-remaining", HeaderValue::from(d.remaining));

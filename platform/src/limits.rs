@@ -1,5 +1,6 @@
 //! Per-tenant rate limits per task type, in fixed one-minute windows (Workers AI's defaults:
-//! text generation 300/min, embeddings 3000/min). In-process: each replica counts its own.
+//! text generation 300/min, embeddings 3000/min). Counted in Redis when it is configured, so
+//! every replica shares one budget; in-process otherwise (and while Redis is unreachable).
 
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -41,27 +42,70 @@ pub struct Decision {
 pub struct RateLimiter {
     limits: RateLimits,
     windows: Mutex<HashMap<(String, Task), (u64, u32)>>,
+    redis: Option<crate::redis_bus::RedisBus>,
+}
+
+impl Task {
+    fn key(self) -> &'static str {
+        match self {
+            Task::TextGeneration => "text-generation",
+            Task::Embeddings => "text-embeddings",
+        }
+    }
 }
 
 impl RateLimiter {
-    pub fn new(limits: RateLimits) -> Self {
+    pub fn new(limits: RateLimits, redis: Option<crate::redis_bus::RedisBus>) -> Self {
         RateLimiter {
             limits,
             windows: Mutex::new(HashMap::new()),
+            redis,
         }
     }
 
-    /// Count one request of `tenant` for `task`, if the window has room.
-    pub fn check(&self, tenant: &str, task: Task) -> Decision {
+    fn limit(&self, task: Task) -> u32 {
+        match task {
+            Task::TextGeneration => self.limits.text_generation_per_min,
+            Task::Embeddings => self.limits.embeddings_per_min,
+        }
+    }
+
+    /// Count one request of `tenant` for `task`, shared across replicas when Redis is there.
+    pub async fn check(&self, tenant: &str, task: Task) -> Decision {
+        let Some(redis) = &self.redis else {
+            return self.check_local(tenant, task);
+        };
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()
             .as_secs();
         let minute = now / 60;
-        let limit = match task {
-            Task::TextGeneration => self.limits.text_generation_per_min,
-            Task::Embeddings => self.limits.embeddings_per_min,
-        };
+        let limit = self.limit(task);
+        match redis
+            .hit(&format!("{tenant}:{}:{minute}", task.key()), 60)
+            .await
+        {
+            Ok(count) => Decision {
+                allowed: count <= limit as u64,
+                limit,
+                remaining: (limit as u64).saturating_sub(count) as u32,
+                reset_s: 60 - now % 60,
+            },
+            Err(e) => {
+                tracing::warn!("Redis rate limit unavailable, counting in-process: {e}");
+                self.check_local(tenant, task)
+            }
+        }
+    }
+
+    /// Count one request of `tenant` for `task` in this process, if the window has room.
+    pub fn check_local(&self, tenant: &str, task: Task) -> Decision {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        let minute = now / 60;
+        let limit = self.limit(task);
         let mut windows = self.windows.lock();
         if windows.len() > 100_000 {
             windows.retain(|_, (m, _)| *m == minute);
@@ -91,18 +135,21 @@ mod tests {
 
     #[test]
     fn the_limit_is_per_tenant_and_per_task() {
-        let l = RateLimiter::new(RateLimits {
-            text_generation_per_min: 2,
-            embeddings_per_min: 1,
-        });
+        let l = RateLimiter::new(
+            RateLimits {
+                text_generation_per_min: 2,
+                embeddings_per_min: 1,
+            },
+            None,
+        );
         // The window may roll over mid-test at a minute boundary; then counts restart, which
         // only makes later checks more permissive, so check the refusal within one window.
         loop {
-            let a1 = l.check("a", Task::TextGeneration);
-            let a2 = l.check("a", Task::TextGeneration);
-            let a3 = l.check("a", Task::TextGeneration);
-            let b1 = l.check("b", Task::TextGeneration);
-            let e1 = l.check("a", Task::Embeddings);
+            let a1 = l.check_local("a", Task::TextGeneration);
+            let a2 = l.check_local("a", Task::TextGeneration);
+            let a3 = l.check_local("a", Task::TextGeneration);
+            let b1 = l.check_local("b", Task::TextGeneration);
+            let e1 = l.check_local("a", Task::Embeddings);
             if a1.reset_s < a3.reset_s {
                 continue; // crossed a minute boundary; try again
             }

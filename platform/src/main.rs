@@ -60,6 +60,9 @@ struct ServeArgs {
     /// `sqlite://...` or `postgres://...`.
     #[arg(long, env = "BULKHEAD_DATABASE_URL")]
     database_url: Option<String>,
+    /// Redis (optional): shared rate limits and catalog-change fan-out across replicas.
+    #[arg(long, env = "BULKHEAD_REDIS_URL")]
+    redis_url: Option<String>,
     /// The admin token (generated and printed once on first boot when unset).
     #[arg(long, env = "BULKHEAD_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
@@ -196,6 +199,9 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(t) = args.admin_token {
         cfg.admin_token = Some(t);
+    }
+    if let Some(r) = args.redis_url {
+        cfg.redis_url = Some(r);
     }
     if let Some(f) = args.safety_factor {
         cfg.node.safety_factor = f;

@@ -12,6 +12,7 @@ use crate::catalog::Catalog;
 use crate::config::ServeConfig;
 use crate::inference::{TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
 use crate::limits::RateLimiter;
+use crate::redis_bus::RedisBus;
 use crate::store::{ModelRecord, Store, Visibility};
 
 /// Largest completion a bundled text model accepts per request.
@@ -48,15 +49,27 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
         None => {}
     }
 
+    let redis = match &cfg.redis_url {
+        Some(url) => Some(
+            RedisBus::connect(url, &cfg.redis_prefix)
+                .await
+                .with_context(|| format!("connecting to Redis at {}", redact(url)))?,
+        ),
+        None => None,
+    };
     seed_catalog(&store, &node).await?;
     let catalog = Catalog::load(&store).await?;
     catalog.spawn_refresher(store.clone());
+    if let Some(r) = &redis {
+        catalog.follow(store.clone(), r);
+    }
     let state = Arc::new(AppState {
         store,
         catalog,
         safety_factor: cfg.node.safety_factor,
         node,
-        limits: RateLimiter::new(cfg.limits),
+        limits: RateLimiter::new(cfg.limits, redis.clone()),
+        redis,
     });
     Ok((state, generated))
 }

@@ -170,6 +170,41 @@ fn assert_error(status: u16, body: &Value, want_status: u16, want_code: u64) {
 
 const FRANCE: &str = "What is the capital of France?";
 
+/// Send one small generation to each server in turn (a fresh tenant each attempt) and return
+/// the statuses and the last response, from three requests that fell in one rate-limit
+/// window (a minute boundary in between restarts the budget; then it tries again).
+async fn three_in_one_window(
+    servers: [&Server; 3],
+) -> (Vec<u16>, Value, reqwest::header::HeaderMap) {
+    for attempt in 0..3 {
+        let (acct, _, tok) = servers[0].tenant(&format!("limited-{attempt}")).await;
+        let mut statuses = Vec::new();
+        let mut resets = Vec::new();
+        let mut last = None;
+        for srv in servers {
+            let (s, b, h) = json_of(
+                srv.run(&acct, &tok, TEXT, json!({"prompt": "hi", "max_tokens": 1}))
+                    .await,
+            )
+            .await;
+            resets.push(
+                h["x-ratelimit-reset"]
+                    .to_str()
+                    .unwrap()
+                    .parse::<u64>()
+                    .unwrap(),
+            );
+            statuses.push(s);
+            last = Some((b, h));
+        }
+        if resets.windows(2).all(|w| w[1] <= w[0]) {
+            let (b, h) = last.unwrap();
+            return (statuses, b, h);
+        }
+    }
+    panic!("three attempts all straddled a minute boundary");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tenant_runs_text_generation_and_embeddings_with_raw_or_encoded_model_paths() {
     let srv = Server::start("run").await;
@@ -196,7 +231,23 @@ async fn a_tenant_runs_text_generation_and_embeddings_with_raw_or_encoded_model_
         );
         assert!(body["result"]["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
         assert!(headers.contains_key("x-ratelimit-remaining"));
+        assert!(
+            headers.contains_key("x-request-id"),
+            "every response carries a request id"
+        );
     }
+    let r = srv
+        .http
+        .get(srv.url("/health"))
+        .header("x-request-id", "trace-me-42")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.headers()["x-request-id"],
+        "trace-me-42",
+        "a client's request id is kept"
+    );
     let (s, body, _) = json_of(
         srv.run(
             &acct,
@@ -340,27 +391,12 @@ async fn rate_limits_answer_429_with_retry_after() {
         },
     );
     let srv = Server::start_with(data, cfg).await;
+    let (statuses, b, h) = three_in_one_window([&srv, &srv, &srv]).await;
+    assert_eq!(statuses, [200, 200, 429]);
+    assert_error(429, &b, 429, 3021);
+    assert!(h.contains_key("retry-after"));
+    assert_eq!(h["x-ratelimit-remaining"], "0");
     let (acct, _, tok) = srv.tenant("acme").await;
-    let body = json!({"prompt": "hi", "max_tokens": 2});
-    let mut statuses = vec![];
-    let mut last = None;
-    for _ in 0..3 {
-        let (s, b, h) = json_of(srv.run(&acct, &tok, TEXT, body.clone()).await).await;
-        statuses.push(s);
-        last = Some((s, b, h));
-    }
-    // Two fit in the window; the third is refused (unless the minute rolled over between).
-    let (s, b, h) = last.unwrap();
-    if statuses == [200, 200, 429] {
-        assert_error(s, &b, 429, 3021);
-        assert!(h.contains_key("retry-after"));
-        assert_eq!(h["x-ratelimit-remaining"], "0");
-    } else {
-        assert!(
-            statuses.iter().filter(|&&s| s == 200).count() >= 2,
-            "{statuses:?}"
-        );
-    }
     // Embeddings have their own budget.
     let (s, _, _) = json_of(srv.run(&acct, &tok, EMBED, json!({"text": "hello"})).await).await;
     assert_eq!(s, 200);
@@ -748,16 +784,45 @@ async fn drop_schema(admin: &str) {
         .unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_replicas_sharing_postgres_both_take_a_model_offline() {
+const REDIS: &str = "redis://127.0.0.1:6379";
+
+/// Two replicas on one PostgreSQL schema and one Redis namespace.
+async fn replicas(limits: RateLimits) -> (Vec<Server>, String) {
     let (url, admin_url) = postgres_schema().await;
+    let prefix = format!("bulkhead-test-{}", rand_suffix());
     let mut replicas = Vec::new();
     for tag in ["replica-a", "replica-b"] {
         let data = temp_dir(tag);
-        let mut cfg = config(&data, RateLimits::default());
+        let mut cfg = config(&data, limits);
         cfg.database_url = Some(url.clone());
+        cfg.redis_url = Some(REDIS.into());
+        cfg.redis_prefix = prefix.clone();
         replicas.push(Server::start_with(data, cfg).await);
     }
+    (replicas, admin_url)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_share_one_rate_limit_budget_through_redis() {
+    let (replicas, admin_url) = replicas(RateLimits {
+        text_generation_per_min: 2,
+        embeddings_per_min: 3000,
+    })
+    .await;
+    let (a, b) = (&replicas[0], &replicas[1]);
+    // Two requests on A and B use up the budget of 2; the third, on A, is refused.
+    let (statuses, body, _) = three_in_one_window([a, b, a]).await;
+    assert_eq!(statuses, [200, 200, 429], "one budget across replicas");
+    assert_error(429, &body, 429, 3021);
+    for r in replicas {
+        r.stop().await;
+    }
+    drop_schema(&admin_url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_replicas_sharing_postgres_and_redis_both_take_a_model_offline() {
+    let (replicas, admin_url) = replicas(RateLimits::default()).await;
     let (a, b) = (&replicas[0], &replicas[1]);
     // A tenant made on one replica exists on the other.
     let (acct, _, tok) = a.tenant("acme").await;
@@ -778,7 +843,8 @@ async fn two_replicas_sharing_postgres_both_take_a_model_offline() {
     // The replica that made the change answers 400 at once.
     let (s, bd, _) = json_of(a.run(&acct, &tok, TEXT, body.clone()).await).await;
     assert_error(s, &bd, 400, 5007);
-    // The other one follows within its catalog poll (200 ms by design); wait, bounded.
+    // The other one follows on the Redis fan-out (or, failing that, its 200 ms catalog
+    // poll); wait for it, bounded.
     let mut flipped = None;
     for _ in 0..200 {
         let (s, bd, _) = json_of(b.run(&acct, &tok, TEXT, body.clone()).await).await;

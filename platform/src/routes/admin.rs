@@ -214,7 +214,7 @@ pub async fn create_model(
             Some(&after),
         )
         .await?;
-    s.catalog.reload(&s.store).await?;
+    s.catalog.changed(&s.store, s.redis.as_ref()).await?;
     Ok(ok(model_view(&s, &created)))
 }
 
@@ -271,7 +271,7 @@ pub async fn update_model(
         .audit(&actor(&p), "model.visibility", &name, Some(&b), Some(&a))
         .await?;
     // This replica applies it now; others within one catalog poll.
-    s.catalog.reload(&s.store).await?;
+    s.catalog.changed(&s.store, s.redis.as_ref()).await?;
     Ok(ok(model_view(&s, &after)))
 }
 

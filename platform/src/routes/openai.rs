@@ -120,7 +120,7 @@ async fn chat(state: SharedState, p: Principal, body: Body) -> Result<Response, 
             "frequency_penalty and presence_penalty are not supported",
         ));
     }
-    let limit_headers = inference::rate_limit(&state, &tenant, Task::TextGeneration)?;
+    let limit_headers = inference::rate_limit(&state, &tenant, Task::TextGeneration).await?;
     let params = SamplingParams {
         temperature: req.temperature.unwrap_or(DEFAULT_TEMPERATURE),
         top_p: req.top_p,
@@ -256,7 +256,7 @@ async fn embeddings_for(
             )));
         }
     };
-    let limit_headers = inference::rate_limit(&state, &tenant, Task::Embeddings)?;
+    let limit_headers = inference::rate_limit(&state, &tenant, Task::Embeddings).await?;
     let (data, tokens) = inference::embed(&state, &tenant, &model, req.input.into_vec()).await?;
     let items: Vec<serde_json::Value> = data
         .iter()

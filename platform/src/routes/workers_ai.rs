@@ -152,7 +152,8 @@ pub async fn run(
     let model = inference::resolve_model(&state, &tenant, &model)?;
     match model.task.as_str() {
         TASK_TEXT_GENERATION => {
-            let limit_headers = inference::rate_limit(&state, &tenant, Task::TextGeneration)?;
+            let limit_headers =
+                inference::rate_limit(&state, &tenant, Task::TextGeneration).await?;
             let input: TextGenerationInput = read_json(body).await?;
             let stream = input.stream;
             let (prompt, params) = input.into_request(&model)?;
@@ -168,7 +169,7 @@ pub async fn run(
             Ok(resp)
         }
         TASK_TEXT_EMBEDDINGS => {
-            let limit_headers = inference::rate_limit(&state, &tenant, Task::Embeddings)?;
+            let limit_headers = inference::rate_limit(&state, &tenant, Task::Embeddings).await?;
             let input: EmbeddingsInput = read_json(body).await?;
             if let Some(p) = input.pooling.as_deref()
                 && p != "mean"
