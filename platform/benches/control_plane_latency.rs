@@ -20,7 +20,12 @@ struct Target {
     token: Option<String>,
 }
 
-async fn measure(http: &reqwest::Client, t: &Arc<Target>, concurrency: usize, per_task: usize) -> Vec<Duration> {
+async fn measure(
+    http: &reqwest::Client,
+    t: &Arc<Target>,
+    concurrency: usize,
+    per_task: usize,
+) -> Vec<Duration> {
     let mut tasks = Vec::new();
     for _ in 0..concurrency {
         let (http, t) = (http.clone(), t.clone());
@@ -58,18 +63,37 @@ async fn setup(name: &str, cfg: ServeConfig) -> (Arc<Target>, Arc<Target>) {
     let node = state.node.clone();
     let cp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let cp_addr = cp.local_addr().unwrap();
-    tokio::spawn(bulkhead_platform::serve::run(state.clone(), cp, std::future::pending()));
+    tokio::spawn(bulkhead_platform::serve::run(
+        state.clone(),
+        cp,
+        std::future::pending(),
+    ));
     let nl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let node_addr = nl.local_addr().unwrap();
-    tokio::spawn(bulkhead_runtime::server::serve(node, nl, std::future::pending()));
-    let tenant = state.store.create_tenant(&format!("bench-{name}-{}", std::process::id())).await.unwrap();
+    tokio::spawn(bulkhead_runtime::server::serve(
+        node,
+        nl,
+        std::future::pending(),
+    ));
+    let tenant = state
+        .store
+        .create_tenant(&format!("bench-{name}-{}", std::process::id()))
+        .await
+        .unwrap();
     let token = state
         .store
-        .create_token(&tenant.id, Some("bench"), bulkhead_platform::store::Scope::Tenant)
+        .create_token(
+            &tenant.id,
+            Some("bench"),
+            bulkhead_platform::store::Scope::Tenant,
+        )
         .await
         .unwrap();
     let via_cp = Arc::new(Target {
-        url: format!("http://{cp_addr}/client/v4/accounts/{}/ai/run/{MINILM_NAME}", tenant.id),
+        url: format!(
+            "http://{cp_addr}/client/v4/accounts/{}/ai/run/{MINILM_NAME}",
+            tenant.id
+        ),
         body: json!({"text": "hello world"}),
         token: Some(token.token),
     });
@@ -97,7 +121,9 @@ fn config(tag: &str) -> ServeConfig {
 
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
-        println!("control-plane latency benchmark: run it with `cargo bench -p bulkhead-platform --bench control_plane_latency`");
+        println!(
+            "control-plane latency benchmark: run it with `cargo bench -p bulkhead-platform --bench control_plane_latency`"
+        );
         return;
     }
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -111,7 +137,14 @@ fn main() {
         setups.push(("postgres + redis", pg));
         println!(
             "{:<26} {:>5} {:>12} {:>12} {:>12} {:>12} {:>10} {:>10}",
-            "backend", "conc", "node p50 ms", "node p99 ms", "cp p50 ms", "cp p99 ms", "+p50 ms", "+p99 ms"
+            "backend",
+            "conc",
+            "node p50 ms",
+            "node p99 ms",
+            "cp p50 ms",
+            "cp p99 ms",
+            "+p50 ms",
+            "+p99 ms"
         );
         for (name, cfg) in setups {
             let (cp, direct) = setup(name, cfg).await;

@@ -73,6 +73,7 @@ pub fn router(state: SharedState) -> Router {
             get(|| async { axum::Json(serde_json::json!({"status": "ok"})) }),
         )
         .route("/metrics", get(metrics))
+        .route("/openapi.json", get(crate::openapi::openapi_json))
         .with_state(state)
         // Outermost last: every request gets an id (the client's `x-request-id`, or a new
         // UUID), logged in its span and returned in the response's `x-request-id`.

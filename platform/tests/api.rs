@@ -882,3 +882,69 @@ async fn two_replicas_sharing_postgres_and_redis_both_take_a_model_offline() {
     }
     drop_schema(&admin_url).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_openapi_document_covers_every_api_route() {
+    let srv = Server::start("openapi").await;
+    let doc: Value = srv
+        .http
+        .get(srv.url("/openapi.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    let paths = doc["paths"].as_object().unwrap();
+    for (path, method) in [
+        ("/client/v4/accounts/{account_id}/ai/run/{model}", "post"),
+        ("/client/v4/accounts/{account_id}/ai/models/search", "get"),
+        ("/client/v4/accounts/{account_id}/ai/models/schema", "get"),
+        ("/client/v4/accounts/{account_id}/ai/usage", "get"),
+        (
+            "/client/v4/accounts/{account_id}/ai/v1/chat/completions",
+            "post",
+        ),
+        ("/client/v4/accounts/{account_id}/ai/v1/embeddings", "post"),
+        ("/v1/chat/completions", "post"),
+        ("/v1/embeddings", "post"),
+        ("/admin/v1/tenants", "post"),
+        ("/admin/v1/tenants", "get"),
+        ("/admin/v1/tenants/{id}/tokens", "post"),
+        ("/admin/v1/tokens/{token_id}", "delete"),
+        ("/admin/v1/models", "get"),
+        ("/admin/v1/models", "post"),
+        ("/admin/v1/models/{name}", "patch"),
+        ("/admin/v1/nodes", "get"),
+        ("/admin/v1/audit", "get"),
+    ] {
+        assert!(
+            paths.get(path).and_then(|p| p.get(method)).is_some(),
+            "{method} {path} missing from the OpenAPI document"
+        );
+    }
+    // The request schema is the one the handler deserializes.
+    let schemas = &doc["components"]["schemas"];
+    let text = &schemas["TextGenerationInput"]["properties"];
+    for field in [
+        "prompt",
+        "messages",
+        "raw",
+        "stream",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "repetition_penalty",
+        "stop",
+    ] {
+        assert!(
+            text.get(field).is_some(),
+            "TextGenerationInput.{field} missing: {text}"
+        );
+    }
+    assert!(doc["components"]["securitySchemes"]["bearer"].is_object());
+    srv.stop().await;
+}

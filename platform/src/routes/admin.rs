@@ -17,12 +17,13 @@ fn actor(p: &Principal) -> String {
     format!("admin:{}", p.token_id)
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewTenant {
     name: String,
 }
 
+#[utoipa::path(post, path = "/admin/v1/tenants", tag = "admin", request_body = NewTenant, responses((status = 200, body = crate::openapi::Envelope<crate::store::Tenant>), (status = 409, body = crate::openapi::ErrorEnvelope)))]
 pub async fn create_tenant(
     State(s): State<SharedState>,
     headers: HeaderMap,
@@ -41,6 +42,7 @@ pub async fn create_tenant(
     Ok(ok(t))
 }
 
+#[utoipa::path(get, path = "/admin/v1/tenants", tag = "admin", responses((status = 200, body = crate::openapi::Envelope<Vec<crate::store::Tenant>>)))]
 pub async fn list_tenants(
     State(s): State<SharedState>,
     headers: HeaderMap,
@@ -49,12 +51,13 @@ pub async fn list_tenants(
     Ok(ok(s.store.list_tenants().await?))
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewToken {
     name: Option<String>,
 }
 
+#[utoipa::path(post, path = "/admin/v1/tenants/{id}/tokens", tag = "admin", params(("id" = String, Path)), request_body = NewToken, responses((status = 200, description = "The secret is in the answer once", body = crate::openapi::Envelope<crate::store::CreatedToken>), (status = 404, body = crate::openapi::ErrorEnvelope)))]
 pub async fn create_token(
     State(s): State<SharedState>,
     Path(tenant_id): Path<String>,
@@ -84,6 +87,7 @@ pub async fn create_token(
     Ok(ok(created))
 }
 
+#[utoipa::path(get, path = "/admin/v1/tenants/{id}/tokens", tag = "admin", params(("id" = String, Path)), responses((status = 200, body = crate::openapi::Envelope<Vec<crate::store::TokenInfo>>)))]
 pub async fn list_tokens(
     State(s): State<SharedState>,
     Path(tenant_id): Path<String>,
@@ -93,6 +97,7 @@ pub async fn list_tokens(
     Ok(ok(s.store.list_tokens(&tenant_id).await?))
 }
 
+#[utoipa::path(delete, path = "/admin/v1/tokens/{token_id}", tag = "admin", params(("token_id" = String, Path)), responses((status = 200, body = Object), (status = 404, body = crate::openapi::ErrorEnvelope)))]
 pub async fn revoke_token(
     State(s): State<SharedState>,
     Path(token_id): Path<String>,
@@ -140,6 +145,7 @@ fn model_view(s: &SharedState, m: &ModelRecord) -> serde_json::Value {
     v
 }
 
+#[utoipa::path(get, path = "/admin/v1/models", tag = "admin", responses((status = 200, description = "Models with the publish gate per serving node", body = crate::openapi::Envelope<Vec<ModelRecord>>)))]
 pub async fn list_models(
     State(s): State<SharedState>,
     headers: HeaderMap,
@@ -155,7 +161,7 @@ pub async fn list_models(
     Ok(ok(models))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewModel {
     name: String,
@@ -166,9 +172,11 @@ pub struct NewModel {
     #[serde(default)]
     description: String,
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     properties: Option<serde_json::Value>,
 }
 
+#[utoipa::path(post, path = "/admin/v1/models", tag = "admin", request_body = NewModel, responses((status = 200, body = crate::openapi::Envelope<ModelRecord>), (status = 400, body = crate::openapi::ErrorEnvelope), (status = 409, body = crate::openapi::ErrorEnvelope)))]
 pub async fn create_model(
     State(s): State<SharedState>,
     headers: HeaderMap,
@@ -218,7 +226,7 @@ pub async fn create_model(
     Ok(ok(model_view(&s, &created)))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ModelPatch {
     visibility: Visibility,
@@ -226,6 +234,7 @@ pub struct ModelPatch {
     allow: Option<Vec<String>>,
 }
 
+#[utoipa::path(patch, path = "/admin/v1/models/{name}", tag = "admin", params(("name" = String, Path, description = "raw or %2F-encoded")), request_body = ModelPatch, responses((status = 200, body = crate::openapi::Envelope<ModelRecord>), (status = 409, description = "A serving node's pool is below window x safety factor", body = crate::openapi::ErrorEnvelope)))]
 pub async fn update_model(
     State(s): State<SharedState>,
     Path(name): Path<String>,
@@ -275,6 +284,7 @@ pub async fn update_model(
     Ok(ok(model_view(&s, &after)))
 }
 
+#[utoipa::path(get, path = "/admin/v1/nodes", tag = "admin", responses((status = 200, description = "Nodes, their pools and each model's fit", body = Object)))]
 pub async fn list_nodes(
     State(s): State<SharedState>,
     headers: HeaderMap,
@@ -319,13 +329,14 @@ pub async fn list_nodes(
     }])))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::IntoParams)]
 pub struct AuditQuery {
     model: Option<String>,
     tenant: Option<String>,
     limit: Option<i64>,
 }
 
+#[utoipa::path(get, path = "/admin/v1/audit", tag = "admin", params(AuditQuery), responses((status = 200, body = crate::openapi::Envelope<Vec<crate::store::AuditEntry>>)))]
 pub async fn list_audit(
     State(s): State<SharedState>,
     Query(q): Query<AuditQuery>,

@@ -25,22 +25,23 @@ use crate::inference::{self, TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
 use crate::limits::Task;
 use crate::store::Principal;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
-enum Stop {
+pub enum Stop {
     One(String),
     Many(Vec<String>),
 }
 
-#[derive(Debug, Deserialize)]
-struct StreamOptions {
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct StreamOptions {
     #[serde(default)]
     include_usage: bool,
 }
 
-#[derive(Debug, Deserialize)]
-struct ChatRequest {
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct ChatRequest {
     model: String,
+    #[schema(value_type = Vec<crate::openapi::ChatMessage>)]
     messages: Vec<ChatMessage>,
     max_tokens: Option<usize>,
     max_completion_tokens: Option<usize>,
@@ -58,8 +59,8 @@ struct ChatRequest {
     user: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
-struct EmbeddingsRequest {
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct EmbeddingsRequest {
     model: String,
     input: OneOrMany,
     encoding_format: Option<String>,
@@ -81,6 +82,10 @@ fn finish(f: FinishReason) -> &'static str {
     }
 }
 
+#[utoipa::path(post, path = "/client/v4/accounts/{account_id}/ai/v1/chat/completions", tag = "openai", params(("account_id" = String, Path)),
+    request_body = ChatRequest,
+    responses((status = 200, description = "chat.completion, or chat.completion.chunk SSE frames then [DONE] with stream", body = Object),
+              (status = 400, description = "OpenAI-shaped error", body = Object), (status = 413, body = Object), (status = 429, body = Object)))]
 pub async fn chat_completions_for_account(
     State(state): State<SharedState>,
     Path(account_id): Path<String>,
@@ -91,6 +96,10 @@ pub async fn chat_completions_for_account(
     chat(state, p, body).await.map_err(OpenAiError)
 }
 
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", 
+    request_body = ChatRequest,
+    responses((status = 200, description = "chat.completion, or chat.completion.chunk SSE frames then [DONE] with stream", body = Object),
+              (status = 400, description = "OpenAI-shaped error", body = Object), (status = 413, body = Object), (status = 429, body = Object)))]
 pub async fn chat_completions(
     State(state): State<SharedState>,
     headers: HeaderMap,
@@ -214,6 +223,10 @@ async fn chat(state: SharedState, p: Principal, body: Body) -> Result<Response, 
     Ok(resp)
 }
 
+#[utoipa::path(post, path = "/client/v4/accounts/{account_id}/ai/v1/embeddings", tag = "openai", params(("account_id" = String, Path)),
+    request_body = EmbeddingsRequest,
+    responses((status = 200, description = "An OpenAI embeddings list (float or base64)", body = Object),
+              (status = 400, description = "OpenAI-shaped error", body = Object)))]
 pub async fn embeddings_for_account(
     State(state): State<SharedState>,
     Path(account_id): Path<String>,
@@ -224,6 +237,10 @@ pub async fn embeddings_for_account(
     embeddings_for(state, p, body).await.map_err(OpenAiError)
 }
 
+#[utoipa::path(post, path = "/v1/embeddings", tag = "openai", 
+    request_body = EmbeddingsRequest,
+    responses((status = 200, description = "An OpenAI embeddings list (float or base64)", body = Object),
+              (status = 400, description = "OpenAI-shaped error", body = Object)))]
 pub async fn embeddings(
     State(state): State<SharedState>,
     headers: HeaderMap,

@@ -20,13 +20,14 @@ use crate::auth;
 use crate::envelope::{ApiError, ok};
 use crate::inference::{self, StartedText, TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
 use crate::limits::Task;
-use crate::store::ModelRecord;
+use crate::store::{ModelRecord, UsageRow};
 
 /// Text-generation input, as Workers AI documents it (prompt or messages variant).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TextGenerationInput {
     pub prompt: Option<String>,
+    #[schema(value_type = Option<Vec<crate::openapi::ChatMessage>>)]
     pub messages: Option<Vec<ChatMessage>>,
     #[serde(default)]
     pub raw: bool,
@@ -116,7 +117,7 @@ impl TextGenerationInput {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum OneOrMany {
     One(String),
@@ -132,13 +133,22 @@ impl OneOrMany {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct EmbeddingsInput {
-    text: OneOrMany,
-    pooling: Option<String>,
+pub struct EmbeddingsInput {
+    pub text: OneOrMany,
+    pub pooling: Option<String>,
 }
 
+#[utoipa::path(post, path = "/client/v4/accounts/{account_id}/ai/run/{model}", tag = "workers-ai",
+    params(("account_id" = String, Path, description = "The tenant's account id"),
+           ("model" = String, Path, description = "Catalog name, raw (@cf/a/b) or %2F-encoded")),
+    request_body = crate::openapi::RunInput,
+    responses((status = 200, description = "Model output", body = crate::openapi::Envelope<crate::openapi::RunResult>),
+              (status = 400, description = "5006 bad input, 5007 unknown or private model", body = crate::openapi::ErrorEnvelope),
+              (status = 401, body = crate::openapi::ErrorEnvelope), (status = 403, body = crate::openapi::ErrorEnvelope),
+              (status = 413, description = "3006 body too large, 5021 context window exceeded", body = crate::openapi::ErrorEnvelope),
+              (status = 429, description = "3021 rate limited, 3040 out of capacity", body = crate::openapi::ErrorEnvelope)))]
 /// `POST .../ai/run/{model}`; the model may arrive with raw or `%2F`-encoded slashes (the
 /// router decodes path parameters).
 pub async fn run(
@@ -229,7 +239,7 @@ fn sse(state: SharedState, tenant: String, model: String, started: StartedText) 
     Sse::new(frames).into_response()
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
 pub struct SearchQuery {
     pub task: Option<String>,
     pub search: Option<String>,
@@ -275,6 +285,10 @@ pub fn search_entry(m: &ModelRecord) -> serde_json::Value {
     })
 }
 
+#[utoipa::path(get, path = "/client/v4/accounts/{account_id}/ai/models/search", tag = "workers-ai",
+    params(("account_id" = String, Path), SearchQuery),
+    responses((status = 200, description = "Catalog entries visible to the tenant, with result_info; an empty page past the end", body = Object),
+              (status = 401, body = crate::openapi::ErrorEnvelope)))]
 /// `GET .../ai/models/search`: the models this tenant may use; an empty page past the end.
 pub async fn models_search(
     State(state): State<SharedState>,
@@ -319,7 +333,7 @@ pub async fn models_search(
     Ok(axum::Json(body).into_response())
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
 pub struct SchemaQuery {
     pub model: String,
 }
@@ -371,6 +385,10 @@ pub fn task_schema(task: &str) -> Option<serde_json::Value> {
     }
 }
 
+#[utoipa::path(get, path = "/client/v4/accounts/{account_id}/ai/models/schema", tag = "workers-ai",
+    params(("account_id" = String, Path), SchemaQuery),
+    responses((status = 200, description = "JSON Schemas of the model's input and output", body = Object),
+              (status = 400, body = crate::openapi::ErrorEnvelope)))]
 /// `GET .../ai/models/schema?model=`.
 pub async fn models_schema(
     State(state): State<SharedState>,
@@ -384,6 +402,9 @@ pub async fn models_schema(
     Ok(ok(schema))
 }
 
+#[utoipa::path(get, path = "/client/v4/accounts/{account_id}/ai/usage", tag = "workers-ai",
+    params(("account_id" = String, Path)),
+    responses((status = 200, body = crate::openapi::Envelope<Vec<UsageRow>>)))]
 /// `GET .../ai/usage`: this tenant's usage per model and day.
 pub async fn usage(
     State(state): State<SharedState>,

@@ -22,7 +22,7 @@ use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::{AnyPool, Row, SqlSafeStr};
 
 /// What a token may do: call the tenant APIs of its own tenant, or the admin API.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Scope {
     Tenant,
@@ -49,7 +49,7 @@ impl Scope {
 }
 
 /// Whether every tenant sees a model, or only those on its allow-list.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Visibility {
     Public,
@@ -76,7 +76,7 @@ impl Visibility {
 }
 
 /// A tenant (account). `id` is the account id: 32 lowercase hex chars.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Tenant {
     pub id: String,
     pub name: String,
@@ -84,7 +84,7 @@ pub struct Tenant {
 }
 
 /// A freshly created token. `token` is the secret, shown once and never stored in clear.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CreatedToken {
     pub id: String,
     pub token: String,
@@ -92,7 +92,7 @@ pub struct CreatedToken {
 }
 
 /// What is stored about a token (never the secret).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TokenInfo {
     pub id: String,
     /// `""` for admin tokens.
@@ -114,7 +114,7 @@ pub struct Principal {
 }
 
 /// A catalog entry.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ModelRecord {
     pub name: String,
     pub task: String,
@@ -125,13 +125,14 @@ pub struct ModelRecord {
     pub visibility_reason: Option<String>,
     /// Tenant ids that see the model while it is private.
     pub allow: Vec<String>,
+    #[schema(value_type = Object)]
     pub properties: serde_json::Value,
     pub created_at: i64,
     pub updated_at: i64,
 }
 
 /// Usage of one model by one tenant on one UTC day.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct UsageRow {
     pub tenant_id: String,
     pub model: String,
@@ -145,14 +146,16 @@ pub struct UsageRow {
 }
 
 /// One audit-log entry.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AuditEntry {
     pub id: i64,
     pub at: i64,
     pub actor: String,
     pub action: String,
     pub target: String,
+    #[schema(value_type = Option<Object>)]
     pub before: Option<serde_json::Value>,
+    #[schema(value_type = Option<Object>)]
     pub after: Option<serde_json::Value>,
 }
 
