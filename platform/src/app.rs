@@ -25,6 +25,8 @@ pub struct AppState {
     pub safety_factor: f64,
     /// Shared rate limits and catalog fan-out, when Redis is configured.
     pub redis: Option<crate::redis_bus::RedisBus>,
+    /// Remote nodes, kept by their heartbeats.
+    pub nodes: crate::nodes::Registry,
 }
 
 pub type SharedState = Arc<AppState>;
@@ -68,6 +70,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/admin/v1/models/{*name}", patch(admin::update_model))
         .route("/admin/v1/nodes", get(admin::list_nodes))
         .route("/admin/v1/audit", get(admin::list_audit))
+        .route("/internal/v1/nodes/heartbeat", post(admin::node_heartbeat))
         .route(
             "/health",
             get(|| async { axum::Json(serde_json::json!({"status": "ok"})) }),

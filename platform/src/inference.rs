@@ -7,12 +7,15 @@ use std::sync::Arc;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use bulkhead_runtime::admission::required_pool_tokens;
 use bulkhead_runtime::engine::{Engine, GenEvent, GenerateRequest, PromptInput, Usage};
+use bulkhead_runtime::error::RuntimeError;
 use bulkhead_runtime::sampling::SamplingParams;
+use bulkhead_runtime::server::GenerateBody;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::app::{AppState, SharedState};
 use crate::envelope::ApiError;
 use crate::limits::Task;
+use crate::nodes::{Attempt, RemoteNode};
 use crate::store::ModelRecord;
 
 pub const TASK_TEXT_GENERATION: &str = "text-generation";
@@ -62,16 +65,49 @@ pub fn pool_fits(engine: &Engine, model: &ModelRecord, factor: f64) -> Result<()
     Ok(())
 }
 
-/// The engine that will serve `model`: a node that serves it and whose pool fits it.
-fn route_text(state: &AppState, model: &ModelRecord) -> Result<Arc<Engine>, ApiError> {
-    let engine = state
-        .node
-        .text
-        .get(&model.name)
-        .ok_or_else(|| ApiError::unavailable(format!("no node serves {}", model.name)))?;
-    pool_fits(engine, model, state.safety_factor)
-        .map_err(|why| ApiError::unavailable(format!("no node can serve {}: {why}", model.name)))?;
-    Ok(engine.clone())
+/// Where a request can go: the embedded node or a remote one.
+enum Route {
+    Local(Arc<Engine>),
+    Remote(RemoteNode),
+}
+
+/// Every node that serves `model` and whose pool fits the catalog's window x factor, least
+/// loaded first; or why there is none.
+fn text_routes(state: &AppState, model: &ModelRecord) -> Result<Vec<Route>, ApiError> {
+    let required = required_pool_tokens(model.context_window.max(0) as usize, state.safety_factor);
+    let mut routes: Vec<(usize, Route)> = Vec::new();
+    let mut unfit = None;
+    if let Some(engine) = state.node.text.get(&model.name) {
+        match pool_fits(engine, model, state.safety_factor) {
+            Ok(()) => routes.push((
+                engine.queue_depth() + engine.running(),
+                Route::Local(engine.clone()),
+            )),
+            Err(why) => unfit = Some(why),
+        }
+    }
+    for node in state.nodes.serving(&model.name) {
+        let pool = node
+            .serves(&model.name)
+            .and_then(|m| m.pool)
+            .map_or(0, |p| p.capacity_tokens);
+        if pool >= required {
+            routes.push((node.load(&model.name), Route::Remote(node)));
+        } else {
+            unfit = Some(format!(
+                "node {} pool of {pool} tokens is smaller than context window {} x safety factor {} = {required}",
+                node.id, model.context_window, state.safety_factor
+            ));
+        }
+    }
+    if routes.is_empty() {
+        return Err(match unfit {
+            Some(why) => ApiError::unavailable(format!("no node can serve {}: {why}", model.name)),
+            None => ApiError::unavailable(format!("no node serves {}", model.name)),
+        });
+    }
+    routes.sort_by_key(|(load, _)| *load);
+    Ok(routes.into_iter().map(|(_, r)| r).collect())
 }
 
 /// A generation that has produced its first token (or finished): its status is settled.
@@ -90,7 +126,37 @@ pub async fn start_text(
     input: PromptInput,
     params: SamplingParams,
 ) -> Result<StartedText, ApiError> {
-    let engine = route_text(state, model)?;
+    let mut last_err = None;
+    for route in text_routes(state, model)? {
+        let attempt = match route {
+            Route::Local(engine) => {
+                start_local(state, tenant, model, engine, input.clone(), params.clone()).await
+            }
+            Route::Remote(node) => start_remote(state, tenant, model, &node, &input, &params).await,
+        };
+        match attempt {
+            Ok(started) => return Ok(started),
+            // Never admitted there: another node may take it.
+            Err(Attempt::NotAdmitted(e)) => last_err = Some(e),
+            Err(Attempt::Failed(e)) => {
+                meter(state, tenant, &model.name, 0, 0, Some(e.kind));
+                return Err(e);
+            }
+        }
+    }
+    let e = last_err.unwrap_or_else(|| ApiError::unavailable("no node available"));
+    meter(state, tenant, &model.name, 0, 0, Some(e.kind));
+    Err(e)
+}
+
+async fn start_local(
+    state: &SharedState,
+    tenant: &str,
+    model: &ModelRecord,
+    engine: Arc<Engine>,
+    input: PromptInput,
+    params: SamplingParams,
+) -> Result<StartedText, Attempt> {
     let req = GenerateRequest {
         tenant: tenant.to_string(),
         input,
@@ -98,29 +164,27 @@ pub async fn start_text(
     };
     let submitted = tokio::task::spawn_blocking(move || engine.submit(req))
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(|e| Attempt::Failed(ApiError::internal(e)))?;
     let sub = match submitted {
         Ok(s) => s,
-        Err(e) => {
-            meter(state, tenant, &model.name, 0, 0, Some(e.code()));
-            return Err(e.into());
-        }
+        Err(e @ RuntimeError::Overloaded { .. }) => return Err(Attempt::NotAdmitted(e.into())),
+        Err(e) => return Err(Attempt::Failed(e.into())),
     };
     let mut rest = sub.events;
     loop {
         match rest.recv().await {
-            None => return Err(ApiError::internal("engine dropped the request")),
+            None => {
+                return Err(Attempt::Failed(ApiError::internal(
+                    "engine dropped the request",
+                )));
+            }
             Some(GenEvent::Admitted { .. }) => continue,
+            Some(GenEvent::Error(e @ RuntimeError::Overloaded { .. })) => {
+                return Err(Attempt::NotAdmitted(e.into()));
+            }
             Some(GenEvent::Error(e)) => {
-                meter(
-                    state,
-                    tenant,
-                    &model.name,
-                    sub.prompt_tokens as i64,
-                    0,
-                    Some(e.code()),
-                );
-                return Err(e.into());
+                let _ = (state, model);
+                return Err(Attempt::Failed(e.into()));
             }
             Some(ev) => {
                 return Ok(StartedText {
@@ -131,6 +195,35 @@ pub async fn start_text(
             }
         }
     }
+}
+
+async fn start_remote(
+    state: &SharedState,
+    tenant: &str,
+    model: &ModelRecord,
+    node: &RemoteNode,
+    input: &PromptInput,
+    params: &SamplingParams,
+) -> Result<StartedText, Attempt> {
+    let (prompt, messages, raw) = match input {
+        PromptInput::Text { prompt, raw } => (Some(prompt.clone()), None, *raw),
+        PromptInput::Messages(m) => (None, Some(m.clone()), false),
+    };
+    let body = GenerateBody {
+        model: model.name.clone(),
+        tenant: tenant.to_string(),
+        prompt,
+        messages,
+        raw,
+        stream: true,
+        params: params.clone(),
+    };
+    let rest = crate::nodes::generate(state.nodes.http(), node, body).await?;
+    Ok(StartedText {
+        prompt_tokens: 0,
+        first: Vec::new(),
+        rest,
+    })
 }
 
 /// Collect a started generation into its full text.
@@ -190,23 +283,59 @@ pub async fn embed(
     model: &ModelRecord,
     texts: Vec<String>,
 ) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
-    if !state.node.embed.contains_key(&model.name) {
-        return Err(ApiError::unavailable(format!(
-            "no node serves {}",
-            model.name
-        )));
-    }
-    let result = state.node.embed(&model.name, texts).await;
+    let result = if state.node.embed.contains_key(&model.name) {
+        state
+            .node
+            .embed(&model.name, texts)
+            .await
+            .map_err(ApiError::from)
+    } else {
+        embed_remote(state, tenant, model, texts).await
+    };
     match result {
         Ok((data, tokens)) => {
             meter(state, tenant, &model.name, tokens as i64, 0, None);
             Ok((data, tokens))
         }
         Err(e) => {
-            meter(state, tenant, &model.name, 0, 0, Some(e.code()));
-            Err(e.into())
+            meter(state, tenant, &model.name, 0, 0, Some(e.kind));
+            Err(e)
         }
     }
+}
+
+/// Embed on the least loaded healthy remote node serving `model`, trying the next when one
+/// never took the request.
+async fn embed_remote(
+    state: &SharedState,
+    tenant: &str,
+    model: &ModelRecord,
+    texts: Vec<String>,
+) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+    let nodes = state.nodes.serving(&model.name);
+    if nodes.is_empty() {
+        return Err(ApiError::unavailable(format!(
+            "no node serves {}",
+            model.name
+        )));
+    }
+    let mut last = None;
+    for node in nodes {
+        match crate::nodes::embed(
+            state.nodes.http(),
+            &node,
+            &model.name,
+            tenant,
+            texts.clone(),
+        )
+        .await
+        {
+            Ok(r) => return Ok((r.data, r.usage.prompt_tokens)),
+            Err(Attempt::NotAdmitted(e)) => last = Some(e),
+            Err(Attempt::Failed(e)) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| ApiError::unavailable("no node available")))
 }
 
 /// Record one request's usage in the background (the response does not wait for it).

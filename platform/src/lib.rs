@@ -8,6 +8,7 @@ pub mod config;
 pub mod envelope;
 pub mod inference;
 pub mod limits;
+pub mod nodes;
 pub mod openapi;
 pub mod redis_bus;
 pub mod routes;

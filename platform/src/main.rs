@@ -89,6 +89,18 @@ struct NodeArgs {
     /// Serve the text model with this context window (at most the model's own).
     #[arg(long)]
     context_window: Option<usize>,
+    /// Control plane to register with (heartbeats every second).
+    #[arg(long)]
+    control_plane: Option<String>,
+    /// The URL the control plane reaches this node at (default: http://<listen>).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// This node's id in the registry (default: a new UUID).
+    #[arg(long)]
+    node_id: Option<String>,
+    /// Token for the control plane (an admin token).
+    #[arg(long, env = "BULKHEAD_NODE_TOKEN", hide_env_values = true)]
+    node_token: Option<String>,
 }
 
 fn main() -> std::process::ExitCode {

@@ -70,6 +70,7 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
         node,
         limits: RateLimiter::new(cfg.limits, redis.clone()),
         redis,
+        nodes: Default::default(),
     });
     Ok((state, generated))
 }

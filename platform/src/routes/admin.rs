@@ -129,6 +129,30 @@ fn gate(s: &SharedState, m: &ModelRecord) -> Vec<serde_json::Value> {
     } else if s.node.embed.contains_key(&m.name) {
         out.push(serde_json::json!({"node": "embedded", "fits": true, "reason": null}));
     }
+    let required = bulkhead_runtime::admission::required_pool_tokens(
+        m.context_window.max(0) as usize,
+        s.safety_factor,
+    );
+    for n in s.nodes.all().into_iter().filter(|n| n.healthy()) {
+        let Some(served) = n.serves(&m.name) else {
+            continue;
+        };
+        let reason = served.pool.and_then(|p| {
+            (p.capacity_tokens < required).then(|| {
+                format!(
+                    "node {} pool of {} tokens is smaller than context window {} x safety factor {} = {required}",
+                    n.id, p.capacity_tokens, m.context_window, s.safety_factor
+                )
+            })
+        });
+        out.push(serde_json::json!({
+            "node": n.id,
+            "pool_tokens": served.pool.map(|p| p.capacity_tokens),
+            "required_tokens": served.pool.map(|_| required),
+            "fits": reason.is_none(),
+            "reason": reason,
+        }));
+    }
     out
 }
 
@@ -317,7 +341,7 @@ pub async fn list_nodes(
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
         .as_millis() as i64;
-    Ok(ok(serde_json::json!([{
+    let mut nodes = vec![serde_json::json!({
         "id": "embedded",
         "role": state.role,
         "address": "in-process",
@@ -326,7 +350,115 @@ pub async fn list_nodes(
         "safety_factor": s.safety_factor,
         "gpus": state.gpus,
         "models": models,
-    }])))
+    })];
+    for n in s.nodes.all() {
+        let models: Vec<serde_json::Value> = n
+            .state
+            .models
+            .iter()
+            .map(|m| {
+                let window = catalog
+                    .iter()
+                    .find(|c| c.name == m.name)
+                    .map_or(m.context_window as i64, |c| c.context_window);
+                let required = bulkhead_runtime::admission::required_pool_tokens(
+                    window.max(0) as usize,
+                    s.safety_factor,
+                );
+                serde_json::json!({
+                    "name": m.name, "task": m.task, "context_window": window,
+                    "required_pool_tokens": m.pool.map(|_| required),
+                    "fits": m.pool.is_none_or(|p| p.capacity_tokens >= required),
+                    "pool": m.pool, "queue_depth": m.queue_depth, "running": m.running,
+                })
+            })
+            .collect();
+        nodes.push(serde_json::json!({
+            "id": n.id,
+            "role": n.state.role,
+            "address": n.address,
+            "healthy": n.healthy(),
+            "last_heartbeat": n.last_seen_ms,
+            "safety_factor": n.state.safety_factor,
+            "gpus": n.state.gpus,
+            "models": models,
+        }));
+    }
+    Ok(ok(nodes))
+}
+
+/// `POST /internal/v1/nodes/heartbeat` (admin or node token): a remote node reports its
+/// state. A model the catalog does not know yet is added private: it goes public only
+/// through the publish gate.
+pub async fn node_heartbeat(
+    State(s): State<SharedState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let p = auth::admin(&s.store, &headers).await?;
+    let hb: crate::nodes::Heartbeat = read_json(body).await?;
+    if hb.id.is_empty()
+        || !(hb.address.starts_with("http://") || hb.address.starts_with("https://"))
+    {
+        return Err(ApiError::bad_input(
+            "a heartbeat needs an id and an http(s) address",
+        ));
+    }
+    let mut added = false;
+    for m in &hb.state.models {
+        if s.catalog.get(&m.name).is_some() {
+            continue;
+        }
+        let record = ModelRecord {
+            name: m.name.clone(),
+            task: m.task.clone(),
+            description: format!("registered by node {}", hb.id),
+            context_window: m.context_window as i64,
+            max_output_tokens: if m.task == TASK_TEXT_GENERATION {
+                (m.context_window as i64).min(2048)
+            } else {
+                0
+            },
+            visibility: Visibility::Private,
+            visibility_reason: Some(format!(
+                "registered by node {}; publish it through the gate",
+                hb.id
+            )),
+            allow: vec![],
+            properties: serde_json::json!({}),
+            created_at: 0,
+            updated_at: 0,
+        };
+        match s.store.create_model(&record).await {
+            Ok(created) => {
+                let after = serde_json::to_value(&created).map_err(ApiError::internal)?;
+                s.store
+                    .audit(
+                        &actor(&p),
+                        "model.register",
+                        &created.name,
+                        None,
+                        Some(&after),
+                    )
+                    .await?;
+                added = true;
+            }
+            Err(crate::store::StoreError::Conflict(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let (id, address) = (hb.id.clone(), hb.address.clone());
+    if s.nodes.heartbeat(hb) {
+        tracing::info!(node = %id, %address, "node registered");
+        let after = serde_json::json!({"id": id, "address": address});
+        s.store
+            .audit(&actor(&p), "node.register", &id, None, Some(&after))
+            .await?;
+    }
+    if added {
+        s.catalog.changed(&s.store, s.redis.as_ref()).await?;
+    }
+    Ok(ok(serde_json::json!({"id": id})))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]

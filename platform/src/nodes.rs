@@ -1,0 +1,369 @@
+//! Remote inference nodes: the registry their heartbeats keep, the heartbeat loop a
+//! `bulkhead node --control-plane URL` runs, and the HTTP client that forwards generation
+//! and embedding requests to a node's API.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use bulkhead_runtime::engine::{FinishReason, GenEvent, Usage};
+use bulkhead_runtime::error::RuntimeError;
+use bulkhead_runtime::node::Node;
+use bulkhead_runtime::server::{EmbedResponse, GenerateBody, NodeState};
+use futures::StreamExt;
+use parking_lot::RwLock;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+use crate::envelope::ApiError;
+
+/// A node that missed heartbeats for this long is out of routing.
+pub const STALE_AFTER: Duration = Duration::from_secs(5);
+/// How often a node reports.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+
+/// What a node sends every heartbeat.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub id: String,
+    /// Base URL of the node API, e.g. `http://10.0.0.5:8788`.
+    pub address: String,
+    pub state: NodeState,
+}
+
+#[derive(Debug, Clone)]
+pub struct RemoteNode {
+    pub id: String,
+    pub address: String,
+    pub state: NodeState,
+    pub last_seen: Instant,
+    pub last_seen_ms: i64,
+}
+
+impl RemoteNode {
+    pub fn healthy(&self) -> bool {
+        self.last_seen.elapsed() < STALE_AFTER
+    }
+
+    /// Queued plus running sequences of `model` on this node, as last reported.
+    pub fn load(&self, model: &str) -> usize {
+        self.state
+            .models
+            .iter()
+            .find(|m| m.name == model)
+            .map_or(usize::MAX, |m| m.queue_depth + m.running)
+    }
+
+    /// The pool capacity this node reported for `model`, when it serves it.
+    pub fn serves(&self, model: &str) -> Option<&bulkhead_runtime::server::ModelState> {
+        self.state.models.iter().find(|m| m.name == model)
+    }
+}
+
+pub struct Registry {
+    nodes: RwLock<HashMap<String, RemoteNode>>,
+    http: reqwest::Client,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Registry {
+            nodes: RwLock::new(HashMap::new()),
+            http: reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(2))
+                .build()
+                .expect("HTTP client"),
+        }
+    }
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as i64
+}
+
+impl Registry {
+    /// Record a heartbeat; true when the node was not known before.
+    pub fn heartbeat(&self, hb: Heartbeat) -> bool {
+        let mut nodes = self.nodes.write();
+        let new = !nodes.contains_key(&hb.id);
+        nodes.insert(
+            hb.id.clone(),
+            RemoteNode {
+                id: hb.id,
+                address: hb.address.trim_end_matches('/').to_string(),
+                state: hb.state,
+                last_seen: Instant::now(),
+                last_seen_ms: now_ms(),
+            },
+        );
+        new
+    }
+
+    pub fn all(&self) -> Vec<RemoteNode> {
+        let mut v: Vec<_> = self.nodes.read().values().cloned().collect();
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
+    }
+
+    /// Healthy nodes serving `model`.
+    pub fn serving(&self, model: &str) -> Vec<RemoteNode> {
+        self.nodes
+            .read()
+            .values()
+            .filter(|n| n.healthy() && n.serves(model).is_some())
+            .cloned()
+            .collect()
+    }
+
+    pub fn http(&self) -> &reqwest::Client {
+        &self.http
+    }
+}
+
+/// A remote attempt that failed: whether the node never admitted the request (another node
+/// may be tried) or failed it (final).
+pub enum Attempt {
+    NotAdmitted(ApiError),
+    Failed(ApiError),
+}
+
+#[derive(Deserialize)]
+struct NodeErrorBody {
+    error: bulkhead_runtime::error::ErrorBody,
+}
+
+/// A node's error answer as the tenant-facing error, keeping its meaning.
+fn map_node_error(status: u16, body: &[u8]) -> Attempt {
+    let Ok(NodeErrorBody { error }) = serde_json::from_slice::<NodeErrorBody>(body) else {
+        return Attempt::Failed(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            3000,
+            "bad_gateway",
+            format!("node answered {status} without an error body"),
+        ));
+    };
+    let msg = error.message;
+    match error.code.as_str() {
+        "context_window_exceeded" | "exceeds_kv_pool" | "input_too_long" => {
+            Attempt::Failed(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                5021,
+                "context_window_exceeded",
+                format!("AiError: Ai: {msg}"),
+            ))
+        }
+        "empty_prompt" | "bad_input" => Attempt::Failed(ApiError::bad_input(msg)),
+        "overloaded" => Attempt::NotAdmitted(
+            RuntimeError::Overloaded {
+                reason: msg,
+                retry_after_s: 1,
+            }
+            .into(),
+        ),
+        "unknown_model" => Attempt::NotAdmitted(ApiError::unavailable(msg)),
+        _ => Attempt::Failed(ApiError::internal(format!(
+            "node error {}: {msg}",
+            error.code
+        ))),
+    }
+}
+
+fn unreachable(node: &RemoteNode, e: impl std::fmt::Display) -> Attempt {
+    tracing::warn!(node = %node.id, "node unreachable: {e}");
+    Attempt::NotAdmitted(
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            3040,
+            "node_unreachable",
+            format!("node {} is unreachable", node.id),
+        )
+        .with_header(
+            axum::http::header::RETRY_AFTER,
+            axum::http::HeaderValue::from(1),
+        ),
+    )
+}
+
+/// Start a generation on `node`. The node answers 200 only once the first token exists, so
+/// an open stream means the request was admitted and prefilled.
+pub async fn generate(
+    http: &reqwest::Client,
+    node: &RemoteNode,
+    mut body: GenerateBody,
+) -> Result<UnboundedReceiver<GenEvent>, Attempt> {
+    body.stream = true;
+    let resp = http
+        .post(format!("{}/v1/generate", node.address))
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| unreachable(node, e))?;
+    let status = resp.status().as_u16();
+    if !resp.status().is_success() {
+        let bytes = resp.bytes().await.unwrap_or_default();
+        return Err(map_node_error(status, &bytes));
+    }
+    let (tx, rx) = unbounded_channel();
+    let mut stream = resp.bytes_stream();
+    let node_id = node.id.clone();
+    tokio::spawn(async move {
+        let mut buf = Vec::<u8>::new();
+        let mut finished = false;
+        'read: while let Some(chunk) = stream.next().await {
+            let Ok(chunk) = chunk else { break };
+            buf.extend_from_slice(&chunk);
+            while let Some(end) = find_frame_end(&buf) {
+                let frame: Vec<u8> = buf.drain(..end + 2).collect();
+                match parse_frame(&frame) {
+                    Frame::Token(t) => {
+                        if tx.send(GenEvent::Token { text: t }).is_err() {
+                            break 'read; // the client is gone: dropping the stream cancels on the node
+                        }
+                    }
+                    Frame::Done(usage, finish_reason) => {
+                        let _ = tx.send(GenEvent::Done {
+                            usage,
+                            finish_reason,
+                        });
+                        finished = true;
+                    }
+                    Frame::Error(m) => {
+                        let _ = tx.send(GenEvent::Error(RuntimeError::Internal(m)));
+                        finished = true;
+                    }
+                    Frame::End | Frame::Other => {}
+                }
+            }
+        }
+        if !finished {
+            let _ = tx.send(GenEvent::Error(RuntimeError::Internal(format!(
+                "lost the connection to node {node_id} mid-generation"
+            ))));
+        }
+    });
+    Ok(rx)
+}
+
+fn find_frame_end(buf: &[u8]) -> Option<usize> {
+    buf.windows(2).position(|w| w == b"\n\n")
+}
+
+enum Frame {
+    Token(String),
+    Done(Usage, FinishReason),
+    Error(String),
+    End,
+    Other,
+}
+
+fn parse_frame(frame: &[u8]) -> Frame {
+    let text = String::from_utf8_lossy(frame);
+    let mut event = None;
+    let mut data = String::new();
+    for line in text.lines() {
+        if let Some(e) = line.strip_prefix("event:") {
+            event = Some(e.trim().to_string());
+        } else if let Some(d) = line.strip_prefix("data:") {
+            data.push_str(d.strip_prefix(' ').unwrap_or(d));
+        }
+    }
+    if event.as_deref() == Some("error") {
+        return Frame::Error(data);
+    }
+    if data == "[DONE]" {
+        return Frame::End;
+    }
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&data) else {
+        return Frame::Other;
+    };
+    if let Some(u) = v.get("usage") {
+        let usage = serde_json::from_value(u.clone()).unwrap_or(Usage {
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            total_tokens: 0,
+        });
+        let finish =
+            serde_json::from_value(v["finish_reason"].clone()).unwrap_or(FinishReason::Stop);
+        return Frame::Done(usage, finish);
+    }
+    match v.get("response").and_then(|r| r.as_str()) {
+        Some(t) => Frame::Token(t.to_string()),
+        None => Frame::Other,
+    }
+}
+
+/// Embed on `node`.
+pub async fn embed(
+    http: &reqwest::Client,
+    node: &RemoteNode,
+    model: &str,
+    tenant: &str,
+    texts: Vec<String>,
+) -> Result<EmbedResponse, Attempt> {
+    let resp = http
+        .post(format!("{}/v1/embed", node.address))
+        .json(&serde_json::json!({"model": model, "tenant": tenant, "texts": texts}))
+        .send()
+        .await
+        .map_err(|e| unreachable(node, e))?;
+    let status = resp.status().as_u16();
+    let bytes = resp.bytes().await.map_err(|e| unreachable(node, e))?;
+    if !(200..300).contains(&status) {
+        return Err(map_node_error(status, &bytes));
+    }
+    serde_json::from_slice(&bytes)
+        .map_err(|e| Attempt::Failed(ApiError::internal(format!("bad node answer: {e}"))))
+}
+
+/// The heartbeat loop of a node registered with a control plane: report state every
+/// second until the process ends. Failures are logged; the next beat retries.
+pub async fn run_heartbeats(
+    control_plane: String,
+    token: String,
+    id: String,
+    address: String,
+    node: Arc<Node>,
+) {
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .expect("HTTP client");
+    let url = format!(
+        "{}/internal/v1/nodes/heartbeat",
+        control_plane.trim_end_matches('/')
+    );
+    let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+    let mut failing = false;
+    loop {
+        tick.tick().await;
+        let hb = Heartbeat {
+            id: id.clone(),
+            address: address.clone(),
+            state: bulkhead_runtime::server::node_state(&node),
+        };
+        match http.post(&url).bearer_auth(&token).json(&hb).send().await {
+            Ok(r) if r.status().is_success() => {
+                if failing {
+                    tracing::info!("heartbeats to {control_plane} accepted again");
+                }
+                failing = false;
+            }
+            Ok(r) => {
+                if !failing {
+                    tracing::warn!("control plane refused the heartbeat: {}", r.status());
+                }
+                failing = true;
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!("cannot reach the control plane at {control_plane}: {e}");
+                }
+                failing = true;
+            }
+        }
+    }
+}

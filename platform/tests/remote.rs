@@ -1,0 +1,194 @@
+//! A control plane routing to a remote node that registered itself with heartbeats.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bulkhead_platform::config::ServeConfig;
+use bulkhead_runtime::node::{
+    EmbeddingModelConfig, MINILM_NAME, Node, NodeConfig, SMOLLM2_NAME, TextModelConfig,
+};
+use serde_json::{Value, json};
+
+const ADMIN: &str = "remote-admin";
+
+async fn get(http: &reqwest::Client, url: &str) -> Value {
+    http.get(url)
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_registered_node_is_routed_to_and_its_errors_keep_their_meaning() {
+    // The control plane: its embedded node serves nothing.
+    let data = std::env::temp_dir().join(format!("bulkhead-remote-{}", std::process::id()));
+    let mut cfg = ServeConfig {
+        data_dir: Some(data),
+        admin_token: Some(ADMIN.into()),
+        ..ServeConfig::default()
+    };
+    cfg.node.text_models.clear();
+    cfg.node.embedding_models.clear();
+    let (state, _) = bulkhead_platform::serve::build(&cfg).await.unwrap();
+    let cp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let cp_url = format!("http://{}", cp.local_addr().unwrap());
+    tokio::spawn(bulkhead_platform::serve::run(
+        state,
+        cp,
+        std::future::pending(),
+    ));
+
+    // A remote node, with its node API and heartbeats, as `bulkhead node --control-plane` runs.
+    let node_cfg = NodeConfig {
+        text_models: vec![TextModelConfig {
+            name: SMOLLM2_NAME.into(),
+            path: None,
+            weights: Default::default(),
+            context_window: Some(512),
+            system_prompt: Some(bulkhead_runtime::node::DEFAULT_SYSTEM_PROMPT.into()),
+        }],
+        embedding_models: vec![EmbeddingModelConfig {
+            name: MINILM_NAME.into(),
+            dir: None,
+        }],
+        ..NodeConfig::default()
+    };
+    let node = Arc::new(
+        tokio::task::spawn_blocking(move || Node::start(&node_cfg))
+            .await
+            .unwrap()
+            .unwrap(),
+    );
+    let nl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let node_url = format!("http://{}", nl.local_addr().unwrap());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let node_server = tokio::spawn(bulkhead_runtime::server::serve(node.clone(), nl, async {
+        let _ = stop_rx.await;
+    }));
+    let beats = tokio::spawn(bulkhead_platform::nodes::run_heartbeats(
+        cp_url.clone(),
+        ADMIN.into(),
+        "node-1".into(),
+        node_url.clone(),
+        node,
+    ));
+
+    let http = reqwest::Client::new();
+    // Registered: listed healthy; its models are in the catalog, private until published.
+    let mut registered = false;
+    for _ in 0..100 {
+        let nodes = get(&http, &format!("{cp_url}/admin/v1/nodes")).await;
+        if nodes["result"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["id"] == "node-1" && n["healthy"] == true)
+        {
+            registered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(registered, "the node registers by heartbeat");
+    let models = get(&http, &format!("{cp_url}/admin/v1/models")).await;
+    let m = models["result"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == SMOLLM2_NAME)
+        .unwrap()
+        .clone();
+    assert_eq!(m["visibility"], "private");
+    assert_eq!(m["context_window"], 512);
+
+    let tenant: Value = http
+        .post(format!("{cp_url}/admin/v1/tenants"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"name": "acme"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let acct = tenant["result"]["id"].as_str().unwrap().to_string();
+    let tok: Value = http
+        .post(format!("{cp_url}/admin/v1/tenants/{acct}/tokens"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let token = tok["result"]["token"].as_str().unwrap().to_string();
+    let run = |model: &str, body: Value| {
+        let (http, url, token) = (
+            http.clone(),
+            format!("{cp_url}/client/v4/accounts/{acct}/ai/run/{model}"),
+            token.clone(),
+        );
+        async move {
+            let r = http
+                .post(url)
+                .bearer_auth(token)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let s = r.status().as_u16();
+            (s, r.json::<Value>().await.unwrap())
+        }
+    };
+    // Private: 400 like a missing model. Publish through the gate (the node's pool fits).
+    let (s, _) = run(SMOLLM2_NAME, json!({"prompt": "hi"})).await;
+    assert_eq!(s, 400);
+    for name in [SMOLLM2_NAME, MINILM_NAME] {
+        let r = http
+            .patch(format!(
+                "{cp_url}/admin/v1/models/{}",
+                name.replace('/', "%2F")
+            ))
+            .bearer_auth(ADMIN)
+            .json(&json!({"visibility": "public"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    }
+    let (s, b) = run(
+        SMOLLM2_NAME,
+        json!({"prompt": "What is the capital of France?", "temperature": 0, "max_tokens": 24}),
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    assert!(
+        b["result"]["response"].as_str().unwrap().contains("Paris"),
+        "{b}"
+    );
+    assert!(b["result"]["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+    let (s, b) = run(MINILM_NAME, json!({"text": ["a", "b"]})).await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(b["result"]["shape"], json!([2, 384]));
+    // The node's 413 stays a 413 with its numbers.
+    let long: String = (0..600).map(|i| format!("w{i} ")).collect();
+    let (s, b) = run(SMOLLM2_NAME, json!({"prompt": long, "max_tokens": 8})).await;
+    assert_eq!(s, 413, "{b}");
+    assert_eq!(b["errors"][0]["code"], 5021);
+    assert!(
+        b["errors"][0]["message"].as_str().unwrap().contains("512"),
+        "{b}"
+    );
+
+    // The node goes away: a clean 5xx with the envelope, never a 200.
+    beats.abort();
+    let _ = stop_tx.send(());
+    node_server.await.unwrap().unwrap();
+    let (s, b) = run(SMOLLM2_NAME, json!({"prompt": "hi", "max_tokens": 2})).await;
+    assert!(s == 502 || s == 503, "{s} {b}");
+    assert_eq!(b["success"], false);
+}
