@@ -314,8 +314,45 @@ pub async fn list_nodes(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     auth::admin(&s.store, &headers).await?;
-    let state = bulkhead_runtime::server::node_state(&s.node);
     let catalog = s.catalog.all();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as i64;
+    let embedded = bulkhead_runtime::server::node_state(&s.node);
+    let mut nodes = vec![node_view(
+        &s,
+        &catalog,
+        "embedded",
+        "in-process",
+        true,
+        now,
+        &embedded,
+    )];
+    for n in s.nodes.all() {
+        nodes.push(node_view(
+            &s,
+            &catalog,
+            &n.id,
+            &n.address,
+            n.healthy(),
+            n.last_seen_ms,
+            &n.state,
+        ));
+    }
+    Ok(ok(nodes))
+}
+
+/// A node in the nodes list: its pools against each served model's catalog window x factor.
+fn node_view(
+    s: &SharedState,
+    catalog: &[ModelRecord],
+    id: &str,
+    address: &str,
+    healthy: bool,
+    last_heartbeat: i64,
+    state: &bulkhead_runtime::server::NodeState,
+) -> serde_json::Value {
     let models: Vec<serde_json::Value> = state
         .models
         .iter()
@@ -328,63 +365,24 @@ pub async fn list_nodes(
                 window.max(0) as usize,
                 s.safety_factor,
             );
-            let pool_tokens = m.pool.map(|p| p.capacity_tokens);
             serde_json::json!({
                 "name": m.name, "task": m.task, "context_window": window,
                 "required_pool_tokens": m.pool.map(|_| required),
-                "fits": pool_tokens.is_none_or(|p| p >= required),
+                "fits": m.pool.is_none_or(|p| p.capacity_tokens >= required),
                 "pool": m.pool, "queue_depth": m.queue_depth, "running": m.running,
             })
         })
         .collect();
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_millis() as i64;
-    let mut nodes = vec![serde_json::json!({
-        "id": "embedded",
+    serde_json::json!({
+        "id": id,
         "role": state.role,
-        "address": "in-process",
-        "healthy": true,
-        "last_heartbeat": now,
-        "safety_factor": s.safety_factor,
+        "address": address,
+        "healthy": healthy,
+        "last_heartbeat": last_heartbeat,
+        "safety_factor": state.safety_factor,
         "gpus": state.gpus,
         "models": models,
-    })];
-    for n in s.nodes.all() {
-        let models: Vec<serde_json::Value> = n
-            .state
-            .models
-            .iter()
-            .map(|m| {
-                let window = catalog
-                    .iter()
-                    .find(|c| c.name == m.name)
-                    .map_or(m.context_window as i64, |c| c.context_window);
-                let required = bulkhead_runtime::admission::required_pool_tokens(
-                    window.max(0) as usize,
-                    s.safety_factor,
-                );
-                serde_json::json!({
-                    "name": m.name, "task": m.task, "context_window": window,
-                    "required_pool_tokens": m.pool.map(|_| required),
-                    "fits": m.pool.is_none_or(|p| p.capacity_tokens >= required),
-                    "pool": m.pool, "queue_depth": m.queue_depth, "running": m.running,
-                })
-            })
-            .collect();
-        nodes.push(serde_json::json!({
-            "id": n.id,
-            "role": n.state.role,
-            "address": n.address,
-            "healthy": n.healthy(),
-            "last_heartbeat": n.last_seen_ms,
-            "safety_factor": n.state.safety_factor,
-            "gpus": n.state.gpus,
-            "models": models,
-        }));
-    }
-    Ok(ok(nodes))
+    })
 }
 
 /// `POST /internal/v1/nodes/heartbeat` (admin or node token): a remote node reports its
