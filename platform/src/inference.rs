@@ -130,7 +130,7 @@ pub async fn start_text(
     for route in text_routes(state, model)? {
         let attempt = match route {
             Route::Local(engine) => {
-                start_local(state, tenant, model, engine, input.clone(), params.clone()).await
+                start_local(tenant, engine, input.clone(), params.clone()).await
             }
             Route::Remote(node) => start_remote(state, tenant, model, &node, &input, &params).await,
         };
@@ -150,9 +150,7 @@ pub async fn start_text(
 }
 
 async fn start_local(
-    state: &SharedState,
     tenant: &str,
-    model: &ModelRecord,
     engine: Arc<Engine>,
     input: PromptInput,
     params: SamplingParams,
@@ -182,10 +180,7 @@ async fn start_local(
             Some(GenEvent::Error(e @ RuntimeError::Overloaded { .. })) => {
                 return Err(Attempt::NotAdmitted(e.into()));
             }
-            Some(GenEvent::Error(e)) => {
-                let _ = (state, model);
-                return Err(Attempt::Failed(e.into()));
-            }
+            Some(GenEvent::Error(e)) => return Err(Attempt::Failed(e.into())),
             Some(ev) => {
                 return Ok(StartedText {
                     prompt_tokens: sub.prompt_tokens,
