@@ -228,45 +228,23 @@ pub async fn collect_text(
     model: &str,
     mut started: StartedText,
 ) -> Result<(String, Usage, bulkhead_runtime::engine::FinishReason), ApiError> {
-    let mut text = String::new();
-    let mut pending: std::collections::VecDeque<GenEvent> = started.first.drain(..).collect();
-    loop {
-        let ev = match pending.pop_front() {
-            Some(ev) => ev,
-            None => started
-                .rest
-                .recv()
-                .await
-                .ok_or_else(|| ApiError::internal("engine dropped the request"))?,
-        };
-        match ev {
-            GenEvent::Admitted { .. } => {}
-            GenEvent::Token { text: t } => text.push_str(&t),
-            GenEvent::Done {
-                usage,
-                finish_reason,
-            } => {
-                meter(
-                    state,
-                    tenant,
-                    model,
-                    usage.prompt_tokens as i64,
-                    usage.completion_tokens as i64,
-                    None,
-                );
-                return Ok((text, usage, finish_reason));
-            }
-            GenEvent::Error(e) => {
-                meter(
-                    state,
-                    tenant,
-                    model,
-                    started.prompt_tokens as i64,
-                    0,
-                    Some(e.code()),
-                );
-                return Err(e.into());
-            }
+    let first = std::mem::take(&mut started.first);
+    match bulkhead_runtime::engine::collect(first, &mut started.rest).await {
+        Ok((text, usage, finish)) => {
+            let (input, output) = (usage.prompt_tokens as i64, usage.completion_tokens as i64);
+            meter(state, tenant, model, input, output, None);
+            Ok((text, usage, finish))
+        }
+        Err(e) => {
+            meter(
+                state,
+                tenant,
+                model,
+                started.prompt_tokens as i64,
+                0,
+                Some(e.code()),
+            );
+            Err(e.into())
         }
     }
 }

@@ -110,6 +110,35 @@ pub enum GenEvent {
     Error(RuntimeError),
 }
 
+/// Drain a request's events (`first`, then the rest from `rx`) into its full text, usage
+/// and finish reason, or its error. A stream that ends without `Done` is an error, never a
+/// partial answer.
+pub async fn collect(
+    first: Vec<GenEvent>,
+    rx: &mut UnboundedReceiver<GenEvent>,
+) -> Result<(String, Usage, FinishReason), RuntimeError> {
+    let mut text = String::new();
+    let mut pending = first.into_iter();
+    loop {
+        let ev = match pending.next() {
+            Some(ev) => ev,
+            None => rx
+                .recv()
+                .await
+                .ok_or_else(|| RuntimeError::Internal("engine dropped the request".into()))?,
+        };
+        match ev {
+            GenEvent::Admitted { .. } => {}
+            GenEvent::Token { text: t } => text.push_str(&t),
+            GenEvent::Done {
+                usage,
+                finish_reason,
+            } => return Ok((text, usage, finish_reason)),
+            GenEvent::Error(e) => return Err(e),
+        }
+    }
+}
+
 struct Job {
     owner: Owner,
     prompt: Vec<u32>,

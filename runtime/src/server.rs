@@ -212,26 +212,14 @@ async fn generate(
         .map_err(|e| RuntimeError::Internal(e.to_string()))??;
     let mut events = sub.events;
     if !body.stream {
-        let mut text = String::new();
-        while let Some(ev) = events.recv().await {
-            match ev {
-                GenEvent::Admitted { .. } => {}
-                GenEvent::Token { text: t } => text.push_str(&t),
-                GenEvent::Done {
-                    usage,
-                    finish_reason,
-                } => {
-                    return Ok(Json(GenerateResponse {
-                        response: text,
-                        usage,
-                        finish_reason,
-                    })
-                    .into_response());
-                }
-                GenEvent::Error(e) => return Err(e.into()),
-            }
-        }
-        return Err(RuntimeError::Internal("engine dropped the request".into()).into());
+        let (response, usage, finish_reason) =
+            crate::engine::collect(Vec::new(), &mut events).await?;
+        return Ok(Json(GenerateResponse {
+            response,
+            usage,
+            finish_reason,
+        })
+        .into_response());
     }
     // Streaming: wait for the first token (or the end) before committing to 200.
     let mut first = Vec::new();
