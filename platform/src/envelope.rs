@@ -147,6 +147,12 @@ impl From<RuntimeError> for ApiError {
             RuntimeError::Cancelled => {
                 Self::new(StatusCode::REQUEST_TIMEOUT, 3008, kind, "Request aborted")
             }
+            RuntimeError::Transfer(t) => Self::new(
+                StatusCode::BAD_GATEWAY,
+                3000,
+                kind,
+                format!("KV transfer failed: {t}"),
+            ),
             RuntimeError::Isolation(_) | RuntimeError::Internal(_) => {
                 let mut err = Self::internal(&e);
                 err.kind = kind;

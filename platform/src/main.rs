@@ -101,6 +101,18 @@ struct NodeArgs {
     /// Token for the control plane (an admin token).
     #[arg(long, env = "BULKHEAD_NODE_TOKEN", hide_env_values = true)]
     node_token: Option<String>,
+    /// Decode role: accept KV transfers from prefill nodes on this address.
+    #[arg(long)]
+    transfer_listen: Option<String>,
+    /// Prefill role: a decode node's transfer address (repeat for several).
+    #[arg(long)]
+    decode_peer: Vec<String>,
+    /// Page bytes per KV transfer batch.
+    #[arg(long)]
+    transfer_batch_bytes: Option<usize>,
+    /// Longest a KV transfer may take before both sides roll it back, in milliseconds.
+    #[arg(long)]
+    transfer_lease_ms: Option<u64>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -167,6 +179,18 @@ fn run_node(args: NodeArgs) -> anyhow::Result<()> {
             m.context_window = Some(w);
         }
     }
+    if let Some(l) = args.transfer_listen {
+        cfg.transfer.listen = Some(l);
+    }
+    if !args.decode_peer.is_empty() {
+        cfg.transfer.peers = args.decode_peer;
+    }
+    if let Some(b) = args.transfer_batch_bytes {
+        cfg.transfer.batch_bytes = b;
+    }
+    if let Some(l) = args.transfer_lease_ms {
+        cfg.transfer.lease_ms = l;
+    }
     // The bundled defaults fetch themselves on first run.
     let cache = cfg.models_dir();
     if BUNDLED.iter().any(|p| !p.is_present(&cache)) {
@@ -178,11 +202,36 @@ fn run_node(args: NodeArgs) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("binding {}", args.listen))?;
-        tracing::info!(
-            "node ({:?}) listening on http://{}",
-            cfg.role,
-            listener.local_addr()?
-        );
+        let local = listener.local_addr()?;
+        tracing::info!("node ({:?}) listening on http://{local}", cfg.role);
+        if let Some(addr) = &cfg.transfer.listen {
+            let tl = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the transfer address {addr}"))?;
+            tracing::info!("accepting KV transfers on {}", tl.local_addr()?);
+            tokio::spawn(bulkhead_runtime::transfer::receiver::serve(
+                tl,
+                node.clone(),
+                cfg.transfer.clone(),
+            ));
+        }
+        if let Some(cp) = args.control_plane {
+            let token = args
+                .node_token
+                .context("--control-plane needs a token (--node-token or BULKHEAD_NODE_TOKEN)")?;
+            let id = args
+                .node_id
+                .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+            let address = args.advertise.unwrap_or_else(|| format!("http://{local}"));
+            tracing::info!(node_id = %id, "registering with the control plane at {cp}");
+            tokio::spawn(bulkhead_platform::nodes::run_heartbeats(
+                cp,
+                token,
+                id,
+                address,
+                node.clone(),
+            ));
+        }
         bulkhead_runtime::server::serve(node, listener, async {
             let _ = tokio::signal::ctrl_c().await;
         })

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use bulkhead_runtime::engine::{FinishReason, GenEvent, Usage};
 use bulkhead_runtime::error::RuntimeError;
-use bulkhead_runtime::node::Node;
+use bulkhead_runtime::node::{Node, Role};
 use bulkhead_runtime::server::{EmbedResponse, GenerateBody, NodeState};
 use futures::StreamExt;
 use parking_lot::RwLock;
@@ -114,7 +114,8 @@ impl Registry {
         self.nodes
             .read()
             .values()
-            .filter(|n| n.healthy() && n.serves(model).is_some())
+            // Decode nodes take requests only as KV transfers from prefill nodes.
+            .filter(|n| n.healthy() && n.state.role != Role::Decode && n.serves(model).is_some())
             .cloned()
             .collect()
     }
@@ -165,6 +166,12 @@ fn map_node_error(status: u16, body: &[u8]) -> Attempt {
             .into(),
         ),
         "unknown_model" => Attempt::NotAdmitted(ApiError::unavailable(msg)),
+        "kv_transfer_failed" => Attempt::Failed(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            3000,
+            "kv_transfer_failed",
+            msg,
+        )),
         _ => Attempt::Failed(ApiError::internal(format!(
             "node error {}: {msg}",
             error.code

@@ -69,7 +69,7 @@ fn run_streams(engine: &Engine, prompt: &str, n: usize, max_tokens: usize) -> (I
                             break;
                         }
                         GenEvent::Error(e) => panic!("bench request failed: {e}"),
-                        GenEvent::Admitted { .. } => {}
+                        GenEvent::Admitted { .. } | GenEvent::Prefilled(_) => {}
                     }
                 }
                 run

@@ -18,7 +18,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::admission::check_generation;
 use crate::error::RuntimeError;
-use crate::kv::{KvPool, Owner, SeqKv};
+use crate::kv::{KvPool, Owner, PageRef, SeqKv};
 use crate::metrics::{NodeMetrics, label};
 use crate::models::llama::{LlamaModel, StepSegment};
 use crate::models::tokenizer::{ChatMessage, TextTokenizer};
@@ -93,8 +93,43 @@ pub enum FinishReason {
     Length,
 }
 
+/// A prefilled prompt handed over for decoding elsewhere (prefill role): the pages stay held
+/// in this node's pool, past the sequence's own release, until the handoff is dropped, which
+/// a transfer does only after the decode node acknowledged them, failed, or its lease ran out.
+pub struct PrefillHandoff {
+    pool: Arc<KvPool>,
+    pub owner: Owner,
+    pub pages: Vec<PageRef>,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Logits at the last prompt position: the decode node samples the first token from them.
+    pub logits: Vec<f32>,
+}
+
+impl PrefillHandoff {
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+}
+
+impl Drop for PrefillHandoff {
+    fn drop(&mut self) {
+        self.pool.unhold(&self.pages);
+    }
+}
+
+impl std::fmt::Debug for PrefillHandoff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillHandoff")
+            .field("owner", &self.owner)
+            .field("pages", &self.pages.len())
+            .field("prompt_tokens", &self.prompt.len())
+            .finish()
+    }
+}
+
 /// What a submitted request produces, in order: `Admitted`, then `Token`s, then exactly one
-/// of `Done` or `Error`.
+/// of `Done` or `Error`. A prefill-only request ends in `Prefilled` instead of tokens.
 #[derive(Debug, Clone)]
 pub enum GenEvent {
     Admitted {
@@ -108,6 +143,7 @@ pub enum GenEvent {
         finish_reason: FinishReason,
     },
     Error(RuntimeError),
+    Prefilled(Arc<PrefillHandoff>),
 }
 
 /// Drain a request's events (`first`, then the rest from `rx`) into its full text, usage
@@ -135,8 +171,24 @@ pub async fn collect(
                 finish_reason,
             } => return Ok((text, usage, finish_reason)),
             GenEvent::Error(e) => return Err(e),
+            GenEvent::Prefilled(_) => {
+                return Err(RuntimeError::Internal(
+                    "a prefill-only request has no text to collect".into(),
+                ));
+            }
         }
     }
+}
+
+/// What the engine does with a job.
+enum JobMode {
+    /// Prefill and decode here (unified role).
+    Generate,
+    /// Prefill only, then hand the pages over (prefill role).
+    PrefillOnly,
+    /// The prompt's KV is already in this pool, received from a prefill node, with the logits
+    /// of the last prompt position (decode role). Its pages are reserved and allocated.
+    Transferred { kv: SeqKv, logits: Vec<f32> },
 }
 
 struct Job {
@@ -145,10 +197,19 @@ struct Job {
     params: SamplingParams,
     events: UnboundedSender<GenEvent>,
     deadline: Instant,
+    mode: JobMode,
+}
+
+/// How a running sequence ends.
+enum Outcome {
+    Done(FinishReason),
+    Failed(RuntimeError),
+    Handoff(Vec<f32>),
 }
 
 struct Running {
     owner: Owner,
+    prefill_only: bool,
     kv: SeqKv,
     prompt: Vec<u32>,
     prefilled: usize,
@@ -228,6 +289,9 @@ impl Engine {
     pub fn running(&self) -> usize {
         self.running.load(Ordering::Relaxed)
     }
+    pub fn queue_timeout_ms(&self) -> u64 {
+        self.cfg.queue_timeout_ms
+    }
 
     /// The prompt as the model will see it, tokenized.
     pub fn tokenize_prompt(&self, input: &PromptInput) -> Result<Vec<u32>, RuntimeError> {
@@ -279,15 +343,85 @@ impl Engine {
     /// Check and queue a request. Every admission error is returned here, before any page is
     /// reserved; a queued request then gets `Admitted` or a retryable overload error.
     pub fn submit(&self, req: GenerateRequest) -> Result<Submission, RuntimeError> {
+        self.submit_as(req, false)
+    }
+
+    /// Like `submit`, with the same admission, but the engine only prefills: the request ends
+    /// in `GenEvent::Prefilled`, whose pages a transfer hands to a decode node.
+    pub fn submit_prefill(&self, req: GenerateRequest) -> Result<Submission, RuntimeError> {
+        self.submit_as(req, true)
+    }
+
+    fn submit_as(
+        &self,
+        req: GenerateRequest,
+        prefill_only: bool,
+    ) -> Result<Submission, RuntimeError> {
         let name = &self.model.name;
-        let result = self.check_and_queue(req);
+        let result = self.check_and_queue(req, prefill_only);
         if let Err(e) = &result {
             self.metrics.reject(name, e.code());
         }
         result
     }
 
-    fn check_and_queue(&self, req: GenerateRequest) -> Result<Submission, RuntimeError> {
+    /// A fresh owner for a sequence of `tenant` on this node.
+    pub fn new_owner(&self, tenant: &str) -> Owner {
+        Owner {
+            tenant: tenant.into(),
+            request: self.next_request.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// Queue a sequence whose prompt KV was received from a prefill node (decode role). `kv`
+    /// holds `prompt.len()` committed tokens and a reservation for `max_tokens` more. On any
+    /// error its pages are released here.
+    pub fn submit_transferred(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        mut kv: SeqKv,
+        logits: Vec<f32>,
+    ) -> Result<Submission, RuntimeError> {
+        if kv.len() != prompt.len() {
+            self.pool.release(&mut kv);
+            return Err(RuntimeError::Internal(format!(
+                "{} KV tokens for a prompt of {}",
+                kv.len(),
+                prompt.len()
+            )));
+        }
+        let (tx, rx) = unbounded_channel();
+        let owner = kv.owner().clone();
+        let prompt_tokens = prompt.len();
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        let job = Job {
+            owner: owner.clone(),
+            prompt,
+            params,
+            events: tx,
+            deadline: Instant::now() + Duration::from_millis(self.cfg.queue_timeout_ms),
+            mode: JobMode::Transferred { kv, logits },
+        };
+        if let Err(mpsc::SendError(job)) = self.jobs.send(job) {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+            if let JobMode::Transferred { mut kv, .. } = job.mode {
+                self.pool.release(&mut kv);
+            }
+            return Err(RuntimeError::Internal("the engine has stopped".into()));
+        }
+        Ok(Submission {
+            request: owner.request,
+            prompt_tokens,
+            events: rx,
+        })
+    }
+
+    fn check_and_queue(
+        &self,
+        req: GenerateRequest,
+        prefill_only: bool,
+    ) -> Result<Submission, RuntimeError> {
         req.params.validate()?;
         let prompt = self.tokenize_prompt(&req.input)?;
         check_generation(
@@ -318,6 +452,11 @@ impl Engine {
             params: req.params,
             events: tx,
             deadline: Instant::now() + Duration::from_millis(self.cfg.queue_timeout_ms),
+            mode: if prefill_only {
+                JobMode::PrefillOnly
+            } else {
+                JobMode::Generate
+            },
         };
         if self.jobs.send(job).is_err() {
             self.queued.fetch_sub(1, Ordering::Relaxed);
@@ -383,9 +522,11 @@ impl Worker {
     fn expire_waiting(&mut self) {
         let now = Instant::now();
         let mut kept = VecDeque::with_capacity(self.waiting.len());
-        for job in self.waiting.drain(..) {
+        let waiting = std::mem::take(&mut self.waiting);
+        for job in waiting {
             if job.events.is_closed() {
                 self.queued.fetch_sub(1, Ordering::Relaxed);
+                self.discard(job);
             } else if now >= job.deadline {
                 self.queued.fetch_sub(1, Ordering::Relaxed);
                 self.metrics.reject(&self.model.name, "queue_timeout");
@@ -393,11 +534,19 @@ impl Worker {
                     reason: format!("no KV capacity within {} ms", self.cfg.queue_timeout_ms),
                     retry_after_s: 1,
                 }));
+                self.discard(job);
             } else {
                 kept.push_back(job);
             }
         }
         self.waiting = kept;
+    }
+
+    /// Release what a job that will never run holds (a received sequence's pages).
+    fn discard(&self, job: Job) {
+        if let JobMode::Transferred { mut kv, .. } = job.mode {
+            self.pool.release(&mut kv);
+        }
     }
 
     /// Admit waiting jobs in arrival order while their full need fits.
@@ -406,20 +555,39 @@ impl Worker {
             let Some(job) = self.waiting.front() else {
                 break;
             };
-            let need = job.prompt.len() + job.params.max_tokens;
-            let Ok(reservation) = self.pool.try_reserve(need) else {
-                break;
+            // A prefill-only job needs its prompt's pages; a received one has its pages.
+            let need = match job.mode {
+                JobMode::Generate => Some(job.prompt.len() + job.params.max_tokens),
+                JobMode::PrefillOnly => Some(job.prompt.len()),
+                JobMode::Transferred { .. } => None,
+            };
+            let reservation = match need.map(|n| self.pool.try_reserve(n)) {
+                Some(Err(_)) => break,
+                Some(Ok(r)) => Some(r),
+                None => None,
             };
             let job = self.waiting.pop_front().expect("front exists");
             self.queued.fetch_sub(1, Ordering::Relaxed);
-            let kv = self.pool.open(job.owner.clone(), reservation);
             let _ = job.events.send(GenEvent::Admitted {
                 prompt_tokens: job.prompt.len(),
             });
-            self.running.push(Running {
+            let (kv, prefilled, logits, prefill_only) = match (job.mode, reservation) {
+                (JobMode::Transferred { kv, logits }, _) => {
+                    (kv, job.prompt.len(), Some(logits), false)
+                }
+                (mode, Some(reservation)) => (
+                    self.pool.open(job.owner.clone(), reservation),
+                    0,
+                    None,
+                    matches!(mode, JobMode::PrefillOnly),
+                ),
+                (_, None) => unreachable!("only received jobs come without a reservation"),
+            };
+            let mut r = Running {
                 owner: job.owner,
+                prefill_only,
                 kv,
-                prefilled: 0,
+                prefilled,
                 generated: Vec::with_capacity(job.params.max_tokens),
                 sampler: Sampler::new(&job.params),
                 text: TextStream::new(job.params.stop.clone()),
@@ -428,7 +596,14 @@ impl Worker {
                 events: job.events,
                 admitted_at: Instant::now(),
                 last_token_at: None,
-            });
+            };
+            // A received sequence starts by sampling its first token from the prefill logits.
+            let first = logits.map(|l| Self::on_logits(&self.model, &self.metrics, &mut r, l));
+            match first {
+                None | Some(Ok(None)) => self.running.push(r),
+                Some(Ok(Some(reason))) => self.finish(r, Outcome::Done(reason)),
+                Some(Err(e)) => self.finish(r, Outcome::Failed(e)),
+            }
         }
         self.running_count
             .store(self.running.len(), Ordering::Relaxed);
@@ -536,51 +711,82 @@ impl Worker {
                     .collect()
             }
         };
-        let mut finished: Vec<(usize, Option<RuntimeError>, Option<FinishReason>)> = Vec::new();
+        let mut finished: Vec<(usize, Outcome)> = Vec::new();
         for ((i, range), result) in plan.iter().zip(results) {
             let r = &mut self.running[*i];
             match result.expect("one result per segment") {
-                Err(e) => finished.push((*i, Some(e), None)),
+                Err(e) => finished.push((*i, Outcome::Failed(e))),
                 Ok(logits) => {
                     if let Some((_, b)) = range {
                         r.prefilled = *b;
                     }
-                    if let Some(logits) = logits {
-                        match Self::on_logits(&self.model, &self.metrics, r, logits) {
-                            Ok(None) => {}
-                            Ok(Some(reason)) => finished.push((*i, None, Some(reason))),
-                            Err(e) => finished.push((*i, Some(e), None)),
+                    match logits {
+                        None => {}
+                        Some(logits) if r.prefill_only => {
+                            finished.push((*i, Outcome::Handoff(logits)))
+                        }
+                        Some(logits) => {
+                            match Self::on_logits(&self.model, &self.metrics, r, logits) {
+                                Ok(None) => {}
+                                Ok(Some(reason)) => finished.push((*i, Outcome::Done(reason))),
+                                Err(e) => finished.push((*i, Outcome::Failed(e))),
+                            }
                         }
                     }
                 }
             }
         }
         // Remove finished sequences back to front so indices stay valid.
-        finished.sort_by_key(|(i, _, _)| std::cmp::Reverse(*i));
-        for (i, err, reason) in finished {
-            let mut r = self.running.swap_remove(i);
-            self.pool.release(&mut r.kv);
-            let event = match (err, reason) {
-                (Some(e), _) => GenEvent::Error(e),
-                (None, reason) => {
-                    self.metrics
-                        .requests_completed
-                        .get_or_create(&label(&self.model.name))
-                        .inc();
-                    GenEvent::Done {
-                        usage: Usage {
-                            prompt_tokens: r.prompt.len(),
-                            completion_tokens: r.generated.len(),
-                            total_tokens: r.prompt.len() + r.generated.len(),
-                        },
-                        finish_reason: reason.unwrap_or(FinishReason::Stop),
-                    }
-                }
-            };
-            let _ = r.events.send(event);
+        finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        for (i, outcome) in finished {
+            let r = self.running.swap_remove(i);
+            self.finish(r, outcome);
         }
         self.running_count
             .store(self.running.len(), Ordering::Relaxed);
+    }
+
+    /// End a sequence: release its pages (a handoff keeps them held) and tell the client.
+    fn finish(&self, mut r: Running, outcome: Outcome) {
+        let event = match outcome {
+            Outcome::Failed(e) => {
+                self.pool.release(&mut r.kv);
+                GenEvent::Error(e)
+            }
+            Outcome::Done(finish_reason) => {
+                self.pool.release(&mut r.kv);
+                self.metrics
+                    .requests_completed
+                    .get_or_create(&label(&self.model.name))
+                    .inc();
+                GenEvent::Done {
+                    usage: Usage {
+                        prompt_tokens: r.prompt.len(),
+                        completion_tokens: r.generated.len(),
+                        total_tokens: r.prompt.len() + r.generated.len(),
+                    },
+                    finish_reason,
+                }
+            }
+            Outcome::Handoff(logits) => {
+                // Hold first, then release: the pages never reach the free list in between.
+                let held = self.pool.hold(&r.kv);
+                self.pool.release(&mut r.kv);
+                match held {
+                    Ok(pages) => GenEvent::Prefilled(Arc::new(PrefillHandoff {
+                        pool: self.pool.clone(),
+                        owner: r.owner.clone(),
+                        pages,
+                        prompt: std::mem::take(&mut r.prompt),
+                        params: r.params.clone(),
+                        logits,
+                    })),
+                    Err(e) => GenEvent::Error(e),
+                }
+            }
+        };
+        // A client gone by now drops the event, and with a handoff its hold.
+        let _ = r.events.send(event);
     }
 
     /// Sample the next token and emit its text. `Some(reason)` when the sequence is done.
@@ -643,6 +849,9 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        for job in std::mem::take(&mut self.waiting) {
+            self.discard(job);
+        }
         for r in &mut self.running {
             self.pool.release(&mut r.kv);
             let _ = r.events.send(GenEvent::Error(RuntimeError::Internal(

@@ -1,10 +1,10 @@
 //! Typed errors of the inference node. Every failure a client can see is one of these, with a
 //! stable code and an HTTP status; there is no path that turns an error into a success.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Why admission refused a request. Each variant carries the numbers that decided it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum AdmissionError {
     #[error("prompt is empty")]
     EmptyPrompt,
@@ -25,8 +25,71 @@ pub enum AdmissionError {
     InputTooLong { tokens: usize, limit: usize },
 }
 
-/// All errors a request can end in.
-#[derive(Debug, Clone, thiserror::Error)]
+/// Why a KV transfer between a prefill and a decode node failed. The request fails with it;
+/// both sides release everything they held for it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum TransferError {
+    #[error("no decode node is configured for this prefill node")]
+    NoPeer,
+    #[error("cannot reach decode node {peer}: {detail}")]
+    Connect { peer: String, detail: String },
+    #[error("the peer closed the transfer: {0}")]
+    PeerClosed(String),
+    #[error("no acknowledgement within the {lease_ms} ms transfer lease")]
+    LeaseExpired { lease_ms: u64 },
+    #[error("page {index} failed its checksum")]
+    Checksum { index: u32 },
+    #[error("the last position's logits failed their checksum")]
+    LogitsChecksum,
+    #[error("received {received} tokens of KV, {declared} declared")]
+    TokenCount { declared: usize, received: usize },
+    #[error("received {received} pages, {declared} declared")]
+    PageCount { declared: usize, received: usize },
+    #[error("page {index} is tagged with another owner than the request's")]
+    Owner { index: u32 },
+    #[error("declared {declared} tokens of KV for a prompt of {prompt} tokens")]
+    PromptLength { declared: usize, prompt: usize },
+    #[error("KV layout mismatch: {0}")]
+    Layout(String),
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+}
+
+impl TransferError {
+    /// Metric label of the failure.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            TransferError::NoPeer => "no_peer",
+            TransferError::Connect { .. } => "connect",
+            TransferError::PeerClosed(_) => "peer_closed",
+            TransferError::LeaseExpired { .. } => "lease_expired",
+            TransferError::Checksum { .. } | TransferError::LogitsChecksum => "checksum",
+            TransferError::TokenCount { .. } => "token_count",
+            TransferError::PageCount { .. } => "page_count",
+            TransferError::Owner { .. } => "owner",
+            TransferError::PromptLength { .. } => "prompt_length",
+            TransferError::Layout(_) => "layout",
+            TransferError::Protocol(_) => "protocol",
+        }
+    }
+
+    /// Whether the receiver caught bad data (as opposed to a lost peer).
+    pub fn is_verification_failure(&self) -> bool {
+        matches!(
+            self,
+            TransferError::Checksum { .. }
+                | TransferError::LogitsChecksum
+                | TransferError::TokenCount { .. }
+                | TransferError::PageCount { .. }
+                | TransferError::Owner { .. }
+                | TransferError::PromptLength { .. }
+        )
+    }
+}
+
+/// All errors a request can end in. Serializable, so an error raised on a decode node reaches
+/// the prefill node, and then the client, unchanged.
+#[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
 pub enum RuntimeError {
     #[error(transparent)]
     Admission(#[from] AdmissionError),
@@ -39,6 +102,8 @@ pub enum RuntimeError {
     /// A KV page was read or written by a sequence that does not own it. Never served.
     #[error("isolation violation: {0}")]
     Isolation(String),
+    #[error("KV transfer failed: {0}")]
+    Transfer(#[from] TransferError),
     #[error("request cancelled")]
     Cancelled,
     #[error("internal error: {0}")]
@@ -57,6 +122,7 @@ impl RuntimeError {
             RuntimeError::UnknownModel(_) => "unknown_model",
             RuntimeError::Overloaded { .. } => "overloaded",
             RuntimeError::Isolation(_) => "isolation_violation",
+            RuntimeError::Transfer(_) => "kv_transfer_failed",
             RuntimeError::Cancelled => "cancelled",
             RuntimeError::Internal(_) => "internal",
         }
@@ -69,6 +135,8 @@ impl RuntimeError {
             RuntimeError::Admission(_) => 413,
             RuntimeError::BadInput(_) | RuntimeError::UnknownModel(_) => 400,
             RuntimeError::Overloaded { .. } => 503,
+            // The request was fine; the node it depended on failed it.
+            RuntimeError::Transfer(_) => 502,
             // 499 is the de-facto "client closed request" status; it is only logged.
             RuntimeError::Cancelled => 499,
             RuntimeError::Isolation(_) | RuntimeError::Internal(_) => 500,
@@ -97,7 +165,7 @@ impl From<candle_core::Error> for RuntimeError {
 }
 
 /// The error object the node returns in JSON: `{"error": {"code", "message"}}`.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ErrorBody {
     pub code: String,
     pub message: String,

@@ -16,3 +16,4 @@ pub mod models;
 pub mod node;
 pub mod sampling;
 pub mod server;
+pub mod transfer;

@@ -18,6 +18,18 @@ pub struct RejectLabel {
     pub reason: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransferLabel {
+    /// `send` on a prefill node, `receive` on a decode node.
+    pub side: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SideLabel {
+    pub side: String,
+}
+
 pub struct NodeMetrics {
     registry: Registry,
     pub kv_pages_total: Family<ModelLabel, Gauge>,
@@ -32,6 +44,11 @@ pub struct NodeMetrics {
     pub embeddings: Family<ModelLabel, Counter>,
     pub ttft_seconds: Family<ModelLabel, Histogram>,
     pub inter_token_seconds: Family<ModelLabel, Histogram>,
+    pub transfers_started: Family<SideLabel, Counter>,
+    pub transfers_committed: Family<SideLabel, Counter>,
+    pub transfers_failed: Family<TransferLabel, Counter>,
+    pub transfer_bytes: Family<SideLabel, Counter>,
+    pub transfer_verification_failures: Family<TransferLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -60,6 +77,11 @@ impl NodeMetrics {
             embeddings: Family::default(),
             ttft_seconds: Family::new_with_constructor(latency_histogram),
             inter_token_seconds: Family::new_with_constructor(latency_histogram),
+            transfers_started: Family::default(),
+            transfers_committed: Family::default(),
+            transfers_failed: Family::default(),
+            transfer_bytes: Family::default(),
+            transfer_verification_failures: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -118,6 +140,31 @@ impl NodeMetrics {
             "Time between consecutive tokens of a sequence",
             m.inter_token_seconds.clone(),
         );
+        registry.register(
+            "kv_transfers_started",
+            "KV transfers begun (send: prefill side, receive: decode side)",
+            m.transfers_started.clone(),
+        );
+        registry.register(
+            "kv_transfers_committed",
+            "KV transfers acknowledged by the decode node",
+            m.transfers_committed.clone(),
+        );
+        registry.register(
+            "kv_transfers_failed",
+            "KV transfers rolled back, by reason",
+            m.transfers_failed.clone(),
+        );
+        registry.register(
+            "kv_transfer_bytes",
+            "KV page bytes sent or received",
+            m.transfer_bytes.clone(),
+        );
+        registry.register(
+            "kv_transfer_verification_failures",
+            "Received KV refused by verification (checksum, counts, owner), by reason",
+            m.transfer_verification_failures.clone(),
+        );
         NodeMetrics { registry, ..m }
     }
 
@@ -126,6 +173,30 @@ impl NodeMetrics {
             .get_or_create(&RejectLabel {
                 model: model.to_string(),
                 reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Count a failed transfer on `side` ("send" or "receive").
+    pub fn transfer_failed(&self, side: &str, e: &crate::error::RuntimeError) {
+        let reason = match e {
+            crate::error::RuntimeError::Transfer(t) => {
+                if t.is_verification_failure() {
+                    self.transfer_verification_failures
+                        .get_or_create(&TransferLabel {
+                            side: side.into(),
+                            reason: t.reason().into(),
+                        })
+                        .inc();
+                }
+                t.reason()
+            }
+            other => other.code(),
+        };
+        self.transfers_failed
+            .get_or_create(&TransferLabel {
+                side: side.into(),
+                reason: reason.into(),
             })
             .inc();
     }
@@ -142,4 +213,8 @@ pub fn label(model: &str) -> ModelLabel {
     ModelLabel {
         model: model.to_string(),
     }
+}
+
+pub fn side(side: &str) -> SideLabel {
+    SideLabel { side: side.into() }
 }

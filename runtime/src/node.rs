@@ -15,6 +15,8 @@ use crate::models::bert::BertEmbedder;
 use crate::models::fetch::{MINILM, SMOLLM2, default_cache_dir};
 use crate::models::llama::{LlamaModel, WeightFormat};
 use crate::models::tokenizer::TextTokenizer;
+use crate::transfer::TransferConfig;
+use crate::transfer::sender::DecodePeers;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -87,6 +89,8 @@ pub struct NodeConfig {
     pub embed_concurrency: usize,
     pub text_models: Vec<TextModelConfig>,
     pub embedding_models: Vec<EmbeddingModelConfig>,
+    /// KV transfer between prefill and decode nodes.
+    pub transfer: TransferConfig,
 }
 
 pub const SMOLLM2_NAME: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
@@ -114,6 +118,7 @@ impl Default for NodeConfig {
                 name: MINILM_NAME.into(),
                 dir: None,
             }],
+            transfer: TransferConfig::default(),
         }
     }
 }
@@ -138,12 +143,26 @@ pub struct Node {
     pub embed: BTreeMap<String, Arc<BertEmbedder>>,
     pub embed_permits: Arc<tokio::sync::Semaphore>,
     pub metrics: Arc<NodeMetrics>,
+    pub transfer: TransferConfig,
+    /// Prefill role: where prefilled requests go to be decoded.
+    pub decode_peers: Arc<DecodePeers>,
 }
 
 impl Node {
     /// Load every model, size the pools, run the startup capacity check, start the engines.
     /// Fails (the node does not start) when any pool is too small for its model.
     pub fn start(cfg: &NodeConfig) -> anyhow::Result<Node> {
+        match cfg.role {
+            Role::Prefill if cfg.transfer.peers.is_empty() => {
+                bail!(
+                    "a prefill node needs at least one decode peer (transfer.peers, --decode-peer)"
+                )
+            }
+            Role::Decode if cfg.transfer.listen.is_none() => {
+                bail!("a decode node needs a transfer address (transfer.listen, --transfer-listen)")
+            }
+            _ => {}
+        }
         let gpus = crate::device::discover_gpus();
         for g in &gpus {
             tracing::info!(ordinal = g.ordinal, name = %g.name, free_mib = g.free_bytes >> 20, "GPU found");
@@ -231,6 +250,8 @@ impl Node {
             embed,
             embed_permits: Arc::new(tokio::sync::Semaphore::new(cfg.embed_concurrency.max(1))),
             metrics,
+            transfer: cfg.transfer.clone(),
+            decode_peers: Arc::new(DecodePeers::new(cfg.transfer.peers.clone())),
         })
     }
 

@@ -79,6 +79,9 @@ pub struct ModelState {
     pub context_window: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool: Option<PoolStats>,
+    /// Per-token K/V shape (text models): what a KV transfer must match.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_layout: Option<crate::kv::KvLayout>,
     pub queue_depth: usize,
     pub running: usize,
 }
@@ -143,6 +146,7 @@ pub fn node_state(node: &Node) -> NodeState {
             task: "text-generation".into(),
             context_window: e.model().context_window,
             pool: Some(e.pool().stats()),
+            kv_layout: Some(e.pool().layout()),
             queue_depth: e.queue_depth(),
             running: e.running(),
         })
@@ -152,6 +156,7 @@ pub fn node_state(node: &Node) -> NodeState {
         task: "text-embeddings".into(),
         context_window: e.max_tokens,
         pool: None,
+        kv_layout: None,
         queue_depth: 0,
         running: 0,
     }));
@@ -207,10 +212,28 @@ async fn generate(
     };
     // Tokenizing a long prompt is CPU work: keep it off the async workers.
     let e2 = engine.clone();
-    let sub = tokio::task::spawn_blocking(move || e2.submit(req))
-        .await
-        .map_err(|e| RuntimeError::Internal(e.to_string()))??;
-    let mut events = sub.events;
+    let role = node.role;
+    let sub = tokio::task::spawn_blocking(move || match role {
+        Role::Unified => e2.submit(req),
+        Role::Prefill => e2.submit_prefill(req),
+        Role::Decode => Err(RuntimeError::BadInput(
+            "this is a decode node: it takes requests only as KV transfers from prefill nodes"
+                .into(),
+        )),
+    })
+    .await
+    .map_err(|e| RuntimeError::Internal(e.to_string()))??;
+    // A prefill node admits and prefills here, then a decode node generates.
+    let mut events = match role {
+        Role::Prefill => crate::transfer::sender::disaggregate(
+            sub.events,
+            body.model.clone(),
+            node.decode_peers.clone(),
+            node.transfer.clone(),
+            node.metrics.clone(),
+        ),
+        _ => sub.events,
+    };
     if !body.stream {
         let (response, usage, finish_reason) =
             crate::engine::collect(Vec::new(), &mut events).await?;
@@ -241,7 +264,7 @@ async fn generate(
         .chain(rest)
         .filter_map(move |ev| {
             let out = match ev {
-                GenEvent::Admitted { .. } => None,
+                GenEvent::Admitted { .. } | GenEvent::Prefilled(_) => None,
                 GenEvent::Token { text } => Some(vec![Event::default().data(
                     serde_json::json!({ "response": text }).to_string(),
                 )]),

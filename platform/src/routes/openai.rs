@@ -178,7 +178,7 @@ async fn chat(state: SharedState, p: Principal, body: Body) -> Result<Response, 
             futures::stream::iter(started.first).chain(UnboundedReceiverStream::new(started.rest));
         let frames = events.flat_map(move |ev| {
             let out: Vec<Event> = match ev {
-                GenEvent::Admitted { .. } => vec![],
+                GenEvent::Admitted { .. } | GenEvent::Prefilled(_) => vec![],
                 GenEvent::Token { text } => {
                     vec![Event::default().data(chunk(serde_json::json!({"content": text}), None).to_string())]
                 }

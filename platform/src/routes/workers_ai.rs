@@ -213,7 +213,7 @@ fn sse(state: SharedState, tenant: String, model: String, started: StartedText) 
         futures::stream::iter(started.first).chain(UnboundedReceiverStream::new(started.rest));
     let frames = events.flat_map(move |ev| {
         let out: Vec<Event> = match ev {
-            GenEvent::Admitted { .. } => vec![],
+            GenEvent::Admitted { .. } | GenEvent::Prefilled(_) => vec![],
             GenEvent::Token { text } => vec![Event::default().data(
                 serde_json::json!({ "response": text, "p": padding() }).to_string(),
             )],

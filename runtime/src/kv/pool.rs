@@ -42,7 +42,7 @@ pub struct PageRef {
 }
 
 /// Shape of one token's K/V across the model: layers x (K and V) x kv_dim floats.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KvLayout {
     pub layers: usize,
     /// n_kv_heads * head_dim
@@ -380,6 +380,73 @@ impl KvPool {
             let vo = self.offset(layer, 1, 0);
             v_out.extend_from_slice(&page.data[vo..vo + run * kv_dim]);
             pos += run;
+        }
+        Ok(())
+    }
+
+    /// Bytes of one page's K/V for `tokens` slots on the transfer wire.
+    pub fn wire_bytes(&self, tokens: usize) -> usize {
+        self.layout.layers * 2 * tokens * self.layout.kv_dim * std::mem::size_of::<f32>()
+    }
+
+    /// Append the K/V of the first `tokens` slots of a page `owner` holds to `out`, in wire
+    /// order (`[layer][k|v][slot][kv_dim]`, f32 little-endian), checking the owner tag first.
+    /// Used by the prefill side of a KV transfer on pages it holds after its own release.
+    pub fn export_page(
+        &self,
+        owner: &Owner,
+        page_ref: PageRef,
+        tokens: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<(), RuntimeError> {
+        if tokens > self.page_size {
+            return Err(RuntimeError::Internal(format!(
+                "{tokens} tokens do not fit a page of {}",
+                self.page_size
+            )));
+        }
+        let page = self.pages[page_ref.page as usize].read();
+        self.check_tag(owner, page_ref, &page)?;
+        let run = tokens * self.layout.kv_dim;
+        for layer in 0..self.layout.layers {
+            for kind in 0..2 {
+                let o = self.offset(layer, kind, 0);
+                out.extend_from_slice(bytemuck::cast_slice(&page.data[o..o + run]));
+            }
+        }
+        Ok(())
+    }
+
+    /// Write received K/V (wire order, as `export_page` writes it) into page `index` of
+    /// `seq`'s block table, checking the owner tag. Pages must be allocated (`grow`).
+    pub fn import_page(
+        &self,
+        seq: &SeqKv,
+        index: usize,
+        tokens: usize,
+        data: &[u8],
+    ) -> Result<(), RuntimeError> {
+        if tokens > self.page_size || data.len() != self.wire_bytes(tokens) {
+            return Err(RuntimeError::Internal(format!(
+                "page data of {} bytes for {tokens} tokens does not match the layout",
+                data.len()
+            )));
+        }
+        let page_ref = *seq.table.get(index).ok_or_else(|| {
+            RuntimeError::Internal(format!("page {index} beyond the block table"))
+        })?;
+        let mut page = self.pages[page_ref.page as usize].write();
+        self.check_tag(&seq.owner, page_ref, &page)?;
+        let run = tokens * self.layout.kv_dim;
+        let bytes = run * std::mem::size_of::<f32>();
+        let mut chunks = data.chunks_exact(bytes);
+        for layer in 0..self.layout.layers {
+            for kind in 0..2 {
+                let o = self.offset(layer, kind, 0);
+                let src = chunks.next().expect("length checked above");
+                bytemuck::cast_slice_mut::<f32, u8>(&mut page.data[o..o + run])
+                    .copy_from_slice(src);
+            }
         }
         Ok(())
     }

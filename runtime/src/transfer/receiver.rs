@@ -1,0 +1,388 @@
+//! The decode side of a KV transfer: accept connections from prefill nodes, admit, receive
+//! and verify the pages into this node's pool, then generate and stream events back.
+//!
+//! Everything received is checked against the handshake before the request may run: the
+//! layout, the declared token count against the prompt, every page's owner, position, token
+//! count and checksum, and the commit's totals against what actually arrived. Until the
+//! request is handed to the engine its pages are owned by a guard that releases them on any
+//! failure, timeout or lost connection.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::BufReader;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::TransferConfig;
+use super::wire::{self, ErrorFrame, Frame, Hello, Kind, WireEvent};
+use crate::admission::check_generation;
+use crate::engine::{Engine, GenEvent, Submission};
+use crate::error::{RuntimeError, TransferError};
+use crate::kv::{KvPool, SeqKv};
+use crate::metrics::side;
+use crate::node::Node;
+
+/// Accept transfers on `listener` until the task is dropped.
+pub async fn serve(listener: TcpListener, node: Arc<Node>, cfg: TransferConfig) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tokio::spawn(handle(stream, node.clone(), cfg.clone()));
+            }
+            Err(e) => {
+                tracing::warn!("transfer accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// A received sequence's pages until the engine takes them: released on drop.
+struct KvGuard {
+    pool: Arc<KvPool>,
+    kv: Option<SeqKv>,
+}
+
+impl KvGuard {
+    fn seq(&mut self) -> &mut SeqKv {
+        self.kv.as_mut().expect("taken only once")
+    }
+    fn take(mut self) -> SeqKv {
+        self.kv.take().expect("taken only once")
+    }
+}
+
+impl Drop for KvGuard {
+    fn drop(&mut self) {
+        if let Some(kv) = &mut self.kv {
+            self.pool.release(kv);
+        }
+    }
+}
+
+/// Where a failed transfer stopped: before `Accept` the answer is `Reject`, after it `Nack`.
+struct Failure {
+    accepted: bool,
+    error: RuntimeError,
+}
+
+async fn handle(stream: TcpStream, node: Arc<Node>, cfg: TransferConfig) {
+    let _ = stream.set_nodelay(true);
+    let (rd, mut wr) = stream.into_split();
+    let mut rd = BufReader::with_capacity(256 << 10, rd);
+    let metrics = node.metrics.clone();
+    metrics
+        .transfers_started
+        .get_or_create(&side(super::RECEIVE))
+        .inc();
+    let lease = Duration::from_millis(cfg.lease_ms);
+    let mut accepted = false;
+    let received =
+        tokio::time::timeout(lease, receive(&mut rd, &mut wr, &node, &cfg, &mut accepted))
+            .await
+            .unwrap_or_else(|_| {
+                Err(Failure {
+                    accepted,
+                    error: TransferError::LeaseExpired {
+                        lease_ms: cfg.lease_ms,
+                    }
+                    .into(),
+                })
+            });
+    let sub = match received {
+        Ok(sub) => sub,
+        Err(f) => {
+            tracing::warn!("KV transfer refused: {}", f.error);
+            metrics.transfer_failed(super::RECEIVE, &f.error);
+            let kind = if f.accepted { Kind::Nack } else { Kind::Reject };
+            let _ = wire::write_frame(&mut wr, kind, &ErrorFrame { error: f.error }, &[]).await;
+            return;
+        }
+    };
+    if wire::write_empty(&mut wr, Kind::Ack).await.is_err() {
+        // Prefill is gone: dropping the submission cancels the generation.
+        metrics.transfer_failed(
+            super::RECEIVE,
+            &TransferError::PeerClosed("before the acknowledgement".into()).into(),
+        );
+        return;
+    }
+    metrics
+        .transfers_committed
+        .get_or_create(&side(super::RECEIVE))
+        .inc();
+    stream_events(sub, &mut rd, &mut wr, cfg.max_frame_bytes).await;
+}
+
+/// Send generation events until the end; stop (and so cancel) when prefill hangs up.
+async fn stream_events(
+    mut sub: Submission,
+    rd: &mut BufReader<OwnedReadHalf>,
+    wr: &mut OwnedWriteHalf,
+    max_frame: usize,
+) {
+    loop {
+        let ev = tokio::select! {
+            ev = sub.events.recv() => ev,
+            // Prefill sends nothing after the commit: any frame or EOF here means it left.
+            _ = wire::read_frame(rd, max_frame) => return,
+        };
+        let (wire_ev, last) = match ev {
+            None => (
+                WireEvent::Error(RuntimeError::Internal("engine dropped the request".into())),
+                true,
+            ),
+            Some(GenEvent::Admitted { .. }) => continue,
+            Some(GenEvent::Token { text }) => (WireEvent::Token { text }, false),
+            Some(GenEvent::Done {
+                usage,
+                finish_reason,
+            }) => (
+                WireEvent::Done {
+                    usage,
+                    finish_reason,
+                },
+                true,
+            ),
+            Some(GenEvent::Error(e)) => (WireEvent::Error(e), true),
+            Some(GenEvent::Prefilled(_)) => (
+                WireEvent::Error(RuntimeError::Internal(
+                    "a decode node does not hand off".into(),
+                )),
+                true,
+            ),
+        };
+        if wire::write_frame(wr, Kind::Event, &wire_ev, &[])
+            .await
+            .is_err()
+            || last
+        {
+            return;
+        }
+    }
+}
+
+async fn receive(
+    rd: &mut BufReader<OwnedReadHalf>,
+    wr: &mut OwnedWriteHalf,
+    node: &Node,
+    cfg: &TransferConfig,
+    accepted: &mut bool,
+) -> Result<Submission, Failure> {
+    let before = |error: RuntimeError| Failure {
+        accepted: false,
+        error,
+    };
+    let hello = match wire::read_frame(rd, cfg.max_frame_bytes)
+        .await
+        .map_err(before)?
+    {
+        Frame::Hello(h) => *h,
+        f => {
+            return Err(before(
+                TransferError::Protocol(format!("expected hello, got {}", f.kind())).into(),
+            ));
+        }
+    };
+    let engine = node
+        .text
+        .get(&hello.model)
+        .cloned()
+        .ok_or_else(|| before(RuntimeError::UnknownModel(hello.model.clone())))?;
+    let mut guard = admit(&engine, &hello).await.map_err(before)?;
+    wire::write_empty(wr, Kind::Accept)
+        .await
+        .map_err(|e| before(TransferError::PeerClosed(e.to_string()).into()))?;
+    *accepted = true;
+    let after = |error: RuntimeError| Failure {
+        accepted: true,
+        error,
+    };
+    let logits = receive_pages(rd, &engine, &hello, &mut guard, cfg, node)
+        .await
+        .map_err(after)?;
+    let kv = guard.take();
+    engine
+        .submit_transferred(hello.prompt, hello.params, kv, logits)
+        .map_err(after)
+}
+
+/// Check the handshake and reserve room for the whole generation in this node's pool.
+async fn admit(engine: &Engine, hello: &Hello) -> Result<KvGuard, RuntimeError> {
+    let pool = engine.pool();
+    let layout = pool.layout();
+    if hello.version != wire::PROTOCOL_VERSION {
+        return Err(TransferError::Protocol(format!(
+            "protocol version {} (this node speaks {})",
+            hello.version,
+            wire::PROTOCOL_VERSION
+        ))
+        .into());
+    }
+    if hello.layers != layout.layers
+        || hello.kv_dim != layout.kv_dim
+        || hello.page_size != pool.page_size()
+        || hello.dtype != wire::DTYPE
+    {
+        return Err(TransferError::Layout(format!(
+            "sent {} layers x {} dims, pages of {}, {}; this node has {} x {}, pages of {}, {}",
+            hello.layers,
+            hello.kv_dim,
+            hello.page_size,
+            hello.dtype,
+            layout.layers,
+            layout.kv_dim,
+            pool.page_size(),
+            wire::DTYPE
+        ))
+        .into());
+    }
+    // The incident's placeholder: a declared length that is not the prompt's.
+    if hello.token_count != hello.prompt.len() {
+        return Err(TransferError::PromptLength {
+            declared: hello.token_count,
+            prompt: hello.prompt.len(),
+        }
+        .into());
+    }
+    if hello.page_count != pool.pages_for(hello.token_count) {
+        return Err(TransferError::PageCount {
+            declared: hello.page_count,
+            received: pool.pages_for(hello.token_count),
+        }
+        .into());
+    }
+    hello.params.validate()?;
+    // The same admission as a unified node, against this node's window and pool.
+    check_generation(
+        hello.prompt.len(),
+        hello.params.max_tokens,
+        engine.model().context_window,
+        pool.capacity_tokens(),
+    )?;
+    let need = hello.prompt.len() + hello.params.max_tokens;
+    let deadline = Instant::now() + Duration::from_millis(engine.queue_timeout_ms());
+    let reservation = loop {
+        match pool.try_reserve(need) {
+            Ok(r) => break r,
+            Err(full) if Instant::now() >= deadline => {
+                return Err(RuntimeError::Overloaded {
+                    reason: format!("decode node KV pool full: {full}"),
+                    retry_after_s: 1,
+                });
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
+    };
+    let owner = engine.new_owner(&hello.tenant);
+    let mut guard = KvGuard {
+        pool: pool.clone(),
+        kv: Some(pool.open(owner, reservation)),
+    };
+    pool.grow(guard.seq(), hello.token_count)?;
+    Ok(guard)
+}
+
+/// Receive every batch and the commit; verify all of it. Returns the logits.
+async fn receive_pages(
+    rd: &mut BufReader<OwnedReadHalf>,
+    engine: &Engine,
+    hello: &Hello,
+    guard: &mut KvGuard,
+    cfg: &TransferConfig,
+    node: &Node,
+) -> Result<Vec<f32>, RuntimeError> {
+    let pool = engine.pool().clone();
+    let page_size = pool.page_size();
+    let mut got = vec![false; hello.page_count];
+    let mut tokens = 0usize;
+    let mut bytes = 0u64;
+    let protocol = |m: String| RuntimeError::from(TransferError::Protocol(m));
+    let (commit, tail) = loop {
+        match wire::read_frame(rd, cfg.max_frame_bytes).await? {
+            Frame::Pages(header, tail) => {
+                if header.tenant != hello.tenant || header.request != hello.request {
+                    return Err(TransferError::Owner {
+                        index: header.pages.first().map_or(0, |p| p.index),
+                    }
+                    .into());
+                }
+                let mut offset = 0usize;
+                for p in &header.pages {
+                    let index = p.index as usize;
+                    if index >= hello.page_count || got[index] {
+                        return Err(protocol(format!("page {index} out of place")));
+                    }
+                    // Every page is full except the last; nothing may leave a hole.
+                    let expected = page_size.min(hello.token_count - index * page_size);
+                    if p.tokens as usize != expected {
+                        return Err(TransferError::TokenCount {
+                            declared: expected,
+                            received: p.tokens as usize,
+                        }
+                        .into());
+                    }
+                    let len = pool.wire_bytes(expected);
+                    let data = tail
+                        .get(offset..offset + len)
+                        .ok_or_else(|| protocol(format!("page {index} cut short")))?;
+                    if wire::checksum(data) != p.checksum {
+                        return Err(TransferError::Checksum { index: p.index }.into());
+                    }
+                    pool.import_page(guard.seq(), index, expected, data)?;
+                    got[index] = true;
+                    tokens += expected;
+                    offset += len;
+                }
+                if offset != tail.len() {
+                    return Err(protocol("bytes beyond the batch's pages".into()));
+                }
+                bytes += tail.len() as u64;
+            }
+            Frame::Commit(c, tail) => break (c, tail),
+            f => return Err(protocol(format!("unexpected {} frame", f.kind()))),
+        }
+    };
+    node.metrics
+        .transfer_bytes
+        .get_or_create(&side(super::RECEIVE))
+        .inc_by(bytes);
+    if commit.token_count != hello.token_count || tokens != hello.token_count {
+        return Err(TransferError::TokenCount {
+            declared: hello.token_count,
+            received: tokens.min(commit.token_count),
+        }
+        .into());
+    }
+    let pages = got.iter().filter(|g| **g).count();
+    if commit.page_count != hello.page_count || pages != hello.page_count {
+        return Err(TransferError::PageCount {
+            declared: hello.page_count,
+            received: pages,
+        }
+        .into());
+    }
+    if commit.bytes != bytes {
+        return Err(protocol(format!(
+            "commit counts {} bytes, {bytes} arrived",
+            commit.bytes
+        )));
+    }
+    let vocab = engine.model().llama.cfg.vocab_size;
+    if tail.len() != vocab * 4 {
+        return Err(protocol(format!(
+            "{} bytes of logits for a vocabulary of {vocab}",
+            tail.len()
+        )));
+    }
+    if wire::checksum(&tail) != commit.logits_checksum {
+        return Err(TransferError::LogitsChecksum.into());
+    }
+    let logits = tail
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+        .collect();
+    pool.commit(guard.seq(), hello.token_count);
+    Ok(logits)
+}

@@ -1,0 +1,291 @@
+//! The prefill side of a KV transfer: ship a `PrefillHandoff` to a decode node, then relay
+//! the decode node's generation events to the client.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::io::BufReader;
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use super::TransferConfig;
+use super::wire::{self, Commit, Frame, Hello, Kind, PageHeader, PagesHeader, WireEvent};
+use crate::engine::{GenEvent, PrefillHandoff};
+use crate::error::{RuntimeError, TransferError};
+use crate::metrics::{NodeMetrics, side};
+
+/// The decode nodes a prefill node sends to, taken in turn.
+pub struct DecodePeers {
+    addrs: Vec<String>,
+    next: AtomicUsize,
+}
+
+impl DecodePeers {
+    pub fn new(addrs: Vec<String>) -> Self {
+        DecodePeers {
+            addrs,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// Every peer once, starting with the next in turn.
+    fn rotation(&self) -> Vec<&str> {
+        let n = self.addrs.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        (0..n)
+            .map(|i| self.addrs[(start + i) % n].as_str())
+            .collect()
+    }
+}
+
+/// A connection to a decode node that acknowledged a transfer.
+pub struct Accepted {
+    reader: BufReader<OwnedReadHalf>,
+    // Kept so the connection stays open; dropping it tells decode to cancel.
+    _writer: OwnedWriteHalf,
+}
+
+/// Turn a prefill-only request's events into the events of the whole generation: wait for
+/// the engine's `Prefilled`, transfer it to a decode node, and relay what decode generates.
+/// A client that leaves before the handoff cancels the prefill; once a transfer starts it
+/// runs to its acknowledgement or rollback, and only then is decoding cancelled.
+pub fn disaggregate(
+    mut events: UnboundedReceiver<GenEvent>,
+    model: String,
+    peers: Arc<DecodePeers>,
+    cfg: TransferConfig,
+    metrics: Arc<NodeMetrics>,
+) -> UnboundedReceiver<GenEvent> {
+    let (out, rx) = unbounded_channel();
+    tokio::spawn(async move {
+        let handoff = loop {
+            let ev = tokio::select! {
+                ev = events.recv() => ev,
+                // Dropping `events` tells the engine to stop prefilling.
+                _ = out.closed() => return,
+            };
+            match ev {
+                None => {
+                    let _ = out.send(GenEvent::Error(RuntimeError::Internal(
+                        "engine dropped the request".into(),
+                    )));
+                    return;
+                }
+                Some(GenEvent::Prefilled(h)) => break h,
+                Some(ev @ (GenEvent::Done { .. } | GenEvent::Error(_))) => {
+                    let _ = out.send(ev);
+                    return;
+                }
+                Some(ev) => {
+                    let _ = out.send(ev);
+                }
+            }
+        };
+        drop(events);
+        let result = send_to_peers(&handoff, &model, &peers, &cfg, &metrics).await;
+        // Acknowledged, refused or timed out: this node's pages go back to its pool now.
+        drop(handoff);
+        match result {
+            Ok(accepted) => relay(accepted, out, cfg.max_frame_bytes).await,
+            Err(e) => {
+                let _ = out.send(GenEvent::Error(e));
+            }
+        }
+    });
+    rx
+}
+
+/// Try each peer in turn while the failure means the request was never accepted there.
+async fn send_to_peers(
+    handoff: &PrefillHandoff,
+    model: &str,
+    peers: &DecodePeers,
+    cfg: &TransferConfig,
+    metrics: &NodeMetrics,
+) -> Result<Accepted, RuntimeError> {
+    let mut last = RuntimeError::Transfer(TransferError::NoPeer);
+    for peer in peers.rotation() {
+        match send(handoff, model, peer, cfg, metrics).await {
+            Ok(a) => return Ok(a),
+            Err(e @ RuntimeError::Transfer(TransferError::Connect { .. }))
+            | Err(e @ RuntimeError::Overloaded { .. }) => last = e,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last)
+}
+
+/// One transfer to `peer`, bounded by the lease, counted in the metrics.
+pub async fn send(
+    handoff: &PrefillHandoff,
+    model: &str,
+    peer: &str,
+    cfg: &TransferConfig,
+    metrics: &NodeMetrics,
+) -> Result<Accepted, RuntimeError> {
+    metrics
+        .transfers_started
+        .get_or_create(&side(super::SEND))
+        .inc();
+    let lease = Duration::from_millis(cfg.lease_ms);
+    let result =
+        match tokio::time::timeout(lease, send_inner(handoff, model, peer, cfg, metrics)).await {
+            Ok(r) => r,
+            Err(_) => Err(TransferError::LeaseExpired {
+                lease_ms: cfg.lease_ms,
+            }
+            .into()),
+        };
+    match &result {
+        Ok(_) => {
+            metrics
+                .transfers_committed
+                .get_or_create(&side(super::SEND))
+                .inc();
+        }
+        Err(e) => {
+            tracing::warn!(
+                peer,
+                request = handoff.owner.request,
+                "KV transfer failed: {e}"
+            );
+            metrics.transfer_failed(super::SEND, e);
+        }
+    }
+    result
+}
+
+async fn send_inner(
+    h: &PrefillHandoff,
+    model: &str,
+    peer: &str,
+    cfg: &TransferConfig,
+    metrics: &NodeMetrics,
+) -> Result<Accepted, RuntimeError> {
+    let stream = TcpStream::connect(peer)
+        .await
+        .map_err(|e| TransferError::Connect {
+            peer: peer.into(),
+            detail: e.to_string(),
+        })?;
+    let _ = stream.set_nodelay(true);
+    let (rd, mut wr) = stream.into_split();
+    let mut rd = BufReader::new(rd);
+    let io = |e: std::io::Error| RuntimeError::from(TransferError::PeerClosed(e.to_string()));
+    let pool = h.pool();
+    let page_size = pool.page_size();
+    let tokens = h.prompt.len();
+    let layout = pool.layout();
+    let hello = Hello {
+        version: wire::PROTOCOL_VERSION,
+        request: h.owner.request,
+        tenant: h.owner.tenant.to_string(),
+        model: model.to_string(),
+        prompt: h.prompt.clone(),
+        token_count: tokens,
+        page_count: h.pages.len(),
+        page_size,
+        layers: layout.layers,
+        kv_dim: layout.kv_dim,
+        dtype: wire::DTYPE.into(),
+        params: h.params.clone(),
+    };
+    wire::write_frame(&mut wr, Kind::Hello, &hello, &[])
+        .await
+        .map_err(io)?;
+    match wire::read_frame(&mut rd, cfg.max_frame_bytes).await? {
+        Frame::Accept => {}
+        Frame::Reject(e) => return Err(e),
+        f => return Err(unexpected(&f)),
+    }
+    // Batches bounded by bytes: TCP flow control makes a slow decode node slow us down, and
+    // at most one batch is in memory here.
+    let mut buf = Vec::with_capacity(cfg.batch_bytes + pool.wire_bytes(page_size));
+    let mut batch = Vec::new();
+    let mut sent = 0u64;
+    for (i, page) in h.pages.iter().enumerate() {
+        let in_page = page_size.min(tokens - i * page_size);
+        let start = buf.len();
+        pool.export_page(&h.owner, *page, in_page, &mut buf)?;
+        batch.push(PageHeader {
+            index: i as u32,
+            tokens: in_page as u32,
+            checksum: wire::checksum(&buf[start..]),
+        });
+        if buf.len() >= cfg.batch_bytes || i + 1 == h.pages.len() {
+            let header = PagesHeader {
+                tenant: h.owner.tenant.to_string(),
+                request: h.owner.request,
+                pages: std::mem::take(&mut batch),
+            };
+            wire::write_frame(&mut wr, Kind::Pages, &header, &buf)
+                .await
+                .map_err(io)?;
+            sent += buf.len() as u64;
+            buf.clear();
+        }
+    }
+    metrics
+        .transfer_bytes
+        .get_or_create(&side(super::SEND))
+        .inc_by(sent);
+    let logits: &[u8] = bytemuck::cast_slice(&h.logits);
+    let commit = Commit {
+        token_count: tokens,
+        page_count: h.pages.len(),
+        bytes: sent,
+        logits_checksum: wire::checksum(logits),
+    };
+    wire::write_frame(&mut wr, Kind::Commit, &commit, logits)
+        .await
+        .map_err(io)?;
+    match wire::read_frame(&mut rd, cfg.max_frame_bytes).await? {
+        Frame::Ack => Ok(Accepted {
+            reader: rd,
+            _writer: wr,
+        }),
+        Frame::Nack(e) => Err(e),
+        f => Err(unexpected(&f)),
+    }
+}
+
+fn unexpected(f: &Frame) -> RuntimeError {
+    TransferError::Protocol(format!("unexpected {} frame", f.kind())).into()
+}
+
+/// Relay decode's events to the client until the generation ends. A client that leaves
+/// closes the connection, which cancels the generation on the decode node.
+async fn relay(mut conn: Accepted, out: UnboundedSender<GenEvent>, max_frame: usize) {
+    loop {
+        let frame = tokio::select! {
+            f = wire::read_frame(&mut conn.reader, max_frame) => f,
+            _ = out.closed() => return,
+        };
+        let ev = match frame {
+            Ok(Frame::Event(WireEvent::Token { text })) => GenEvent::Token { text },
+            Ok(Frame::Event(WireEvent::Done {
+                usage,
+                finish_reason,
+            })) => {
+                let _ = out.send(GenEvent::Done {
+                    usage,
+                    finish_reason,
+                });
+                return;
+            }
+            Ok(Frame::Event(WireEvent::Error(e))) | Err(e) => {
+                let _ = out.send(GenEvent::Error(e));
+                return;
+            }
+            Ok(f) => {
+                let _ = out.send(GenEvent::Error(unexpected(&f)));
+                return;
+            }
+        };
+        if out.send(ev).is_err() {
+            return;
+        }
+    }
+}
