@@ -9,4 +9,4 @@ fi
 "$venv/bin/pip" install -q --disable-pip-version-check -r e2e/requirements.txt
 cargo build --quiet --bin bulkhead
 export BULKHEAD_BIN="$PWD/target/debug/bulkhead"
-"$venv/bin/python" -m pytest -q e2e/sdk
+"$venv/bin/python" -m pytest -q e2e/sdk e2e/incident
