@@ -49,6 +49,7 @@ pub struct NodeMetrics {
     pub transfers_failed: Family<TransferLabel, Counter>,
     pub transfer_bytes: Family<SideLabel, Counter>,
     pub transfer_verification_failures: Family<TransferLabel, Counter>,
+    pub transfer_seconds: Family<SideLabel, Histogram>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -82,6 +83,7 @@ impl NodeMetrics {
             transfers_failed: Family::default(),
             transfer_bytes: Family::default(),
             transfer_verification_failures: Family::default(),
+            transfer_seconds: Family::new_with_constructor(latency_histogram),
             registry: Registry::default(),
         };
         registry.register(
@@ -164,6 +166,11 @@ impl NodeMetrics {
             "kv_transfer_verification_failures",
             "Received KV refused by verification (checksum, counts, owner), by reason",
             m.transfer_verification_failures.clone(),
+        );
+        registry.register(
+            "kv_transfer_seconds",
+            "Time of a committed KV transfer, handshake to acknowledgement",
+            m.transfer_seconds.clone(),
         );
         NodeMetrics { registry, ..m }
     }

@@ -130,6 +130,7 @@ pub async fn send(
         .get_or_create(&side(super::SEND))
         .inc();
     let lease = Duration::from_millis(cfg.lease_ms);
+    let started = std::time::Instant::now();
     let result =
         match tokio::time::timeout(lease, send_inner(handoff, model, peer, cfg, metrics)).await {
             Ok(r) => r,
@@ -144,6 +145,10 @@ pub async fn send(
                 .transfers_committed
                 .get_or_create(&side(super::SEND))
                 .inc();
+            metrics
+                .transfer_seconds
+                .get_or_create(&side(super::SEND))
+                .observe(started.elapsed().as_secs_f64());
         }
         Err(e) => {
             tracing::warn!(

@@ -9,7 +9,7 @@
 //! waits for `Ack` or `Nack`. After `Ack` the decode node sends `Event`s until the generation
 //! ends; either side closing the connection ends the request.
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -201,16 +201,23 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
             "frame of {body_len} bytes (limit {max_body})"
         )));
     }
-    let mut body = vec![0u8; body_len];
-    if let Err(e) = r.read_exact(&mut body).await {
-        return Err(TransferError::PeerClosed(e.to_string()).into());
+    // Read into uninitialised capacity: zeroing megabytes per batch costs a pass over them.
+    let mut body = bytes::BytesMut::with_capacity(body_len);
+    while body.len() < body_len {
+        let left = body_len - body.len();
+        let mut limited = (&mut body).limit(left);
+        match r.read_buf(&mut limited).await {
+            Ok(0) => return Err(TransferError::PeerClosed("connection closed".into()).into()),
+            Ok(_) => {}
+            Err(e) => return Err(TransferError::PeerClosed(e.to_string()).into()),
+        }
     }
     let kind = Kind::from_u8(body[0]).ok_or_else(|| protocol(format!("frame kind {}", body[0])))?;
     let json_len = u32::from_le_bytes(body[1..5].try_into().expect("4 bytes")) as usize;
     if 5 + json_len > body_len {
         return Err(protocol("header longer than its frame"));
     }
-    let body = Bytes::from(body);
+    let body = body.freeze();
     let json = body.slice(5..5 + json_len);
     let tail = body.slice(5 + json_len..);
     fn parse<T: serde::de::DeserializeOwned>(json: &[u8]) -> Result<T, RuntimeError> {
