@@ -70,6 +70,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/admin/v1/models/{*name}", patch(admin::update_model))
         .route("/admin/v1/nodes", get(admin::list_nodes))
         .route("/admin/v1/audit", get(admin::list_audit))
+        .route("/admin/v1/usage", get(admin::list_usage))
         .route("/internal/v1/nodes/heartbeat", post(admin::node_heartbeat))
         .route(
             "/health",
