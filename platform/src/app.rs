@@ -79,6 +79,8 @@ pub fn router(state: SharedState) -> Router {
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(crate::openapi::openapi_json))
         .with_state(state)
+        // The admin UI, same origin as the admin API it calls.
+        .merge(crate::web::router())
         // Outermost last: every request gets an id (the client's `x-request-id`, or a new
         // UUID), logged in its span and returned in the response's `x-request-id`.
         .layer(PropagateRequestIdLayer::new(REQUEST_ID.clone()))

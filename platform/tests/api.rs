@@ -1070,3 +1070,62 @@ async fn a_revoked_token_gets_401_and_its_revocation_is_in_the_tenants_audit_log
     );
     srv.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_admin_ui_is_served_at_admin() {
+    let srv = Server::start("ui").await;
+    let no_redirect = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let r = no_redirect.get(srv.url("/admin")).send().await.unwrap();
+    assert!(r.status().is_redirection(), "{}", r.status());
+    assert_eq!(r.headers()["location"], "/admin/");
+    let r = srv.http.get(srv.url("/admin/")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/html; charset=utf-8");
+    assert_eq!(r.headers()["cache-control"], "no-cache");
+    let page = r.text().await.unwrap();
+    if bulkhead_platform::web::built() {
+        // Every asset the page links is served, with its type and a long cache life.
+        let links: Vec<&str> = page
+            .split("/admin/assets/")
+            .skip(1)
+            .map(|rest| rest.split('"').next().unwrap())
+            .collect();
+        assert!(!links.is_empty(), "{page}");
+        for l in links {
+            let r = srv
+                .http
+                .get(srv.url(&format!("/admin/assets/{l}")))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200, "{l}");
+            assert!(
+                r.headers()["cache-control"]
+                    .to_str()
+                    .unwrap()
+                    .contains("immutable")
+            );
+        }
+    } else {
+        assert!(page.contains("not built"), "{page}");
+    }
+    let r = srv
+        .http
+        .get(srv.url("/admin/assets/missing.js"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    // The admin API keeps its own answers under the same prefix.
+    let r = srv
+        .http
+        .get(srv.url("/admin/v1/models"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    srv.stop().await;
+}
