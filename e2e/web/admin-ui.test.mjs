@@ -208,6 +208,13 @@ describe("admin UI in headless Chromium", () => {
     await page.getByRole("alert").filter({ hasText: "The admin token was refused" }).waitFor();
     await shot("sign-in-refused");
     await page.getByLabel("Admin token").fill(ADMIN);
+    // Focus is visible: the focused field has a solid outline of at least 2 px.
+    const outline = await page.evaluate(() => {
+      const s = getComputedStyle(document.activeElement);
+      return { style: s.outlineStyle, width: parseFloat(s.outlineWidth) };
+    });
+    assert.equal(outline.style, "solid");
+    assert.ok(outline.width >= 2, JSON.stringify(outline));
     await page.keyboard.press("Enter");
     await page.getByRole("heading", { name: "Model catalog" }).waitFor();
     const stored = await page.evaluate(() => ({
