@@ -70,6 +70,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/admin/v1/models/{*name}", patch(admin::update_model))
         .route("/admin/v1/nodes", get(admin::list_nodes))
         .route("/admin/v1/audit", get(admin::list_audit))
+        .route("/admin/v1/usage", get(admin::list_usage))
         .route("/internal/v1/nodes/heartbeat", post(admin::node_heartbeat))
         .route(
             "/health",
@@ -78,6 +79,8 @@ pub fn router(state: SharedState) -> Router {
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(crate::openapi::openapi_json))
         .with_state(state)
+        // The admin UI, same origin as the admin API it calls.
+        .merge(crate::web::router())
         // Outermost last: every request gets an id (the client's `x-request-id`, or a new
         // UUID), logged in its span and returned in the response's `x-request-id`.
         .layer(PropagateRequestIdLayer::new(REQUEST_ID.clone()))

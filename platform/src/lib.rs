@@ -14,3 +14,4 @@ pub mod redis_bus;
 pub mod routes;
 pub mod serve;
 pub mod store;
+pub mod web;

@@ -113,6 +113,7 @@ impl Modify for BearerAuth {
         admin::update_model,
         admin::list_nodes,
         admin::list_audit,
+        admin::list_usage,
     ),
     components(schemas(
         ErrorEnvelope, ErrorItem, RunInput, RunResult, Tenant, CreatedToken, TokenInfo, ModelRecord,

@@ -918,6 +918,7 @@ async fn the_openapi_document_covers_every_api_route() {
         ("/admin/v1/models/{name}", "patch"),
         ("/admin/v1/nodes", "get"),
         ("/admin/v1/audit", "get"),
+        ("/admin/v1/usage", "get"),
     ] {
         assert!(
             paths.get(path).and_then(|p| p.get(method)).is_some(),
@@ -946,5 +947,185 @@ async fn the_openapi_document_covers_every_api_route() {
         );
     }
     assert!(doc["components"]["securitySchemes"]["bearer"].is_object());
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admin_usage_is_filtered_by_tenant_model_and_days() {
+    let srv = Server::start("admin-usage").await;
+    let (a, _, tok_a) = srv.tenant("usage-a").await;
+    let (b, _, tok_b) = srv.tenant("usage-b").await;
+    let (s, body, _) = json_of(
+        srv.run(
+            &a,
+            &tok_a,
+            TEXT,
+            json!({"prompt": "hi", "max_tokens": 2, "temperature": 0}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(s, 200, "{body}");
+    // An error is counted by its code.
+    let (s, _, _) = json_of(srv.run(&b, &tok_b, EMBED, json!({"text": []})).await).await;
+    assert_eq!(s, 400);
+    let (s, _, _) = json_of(srv.run(&b, &tok_b, EMBED, json!({"text": ["x"]})).await).await;
+    assert_eq!(s, 200);
+
+    // Metering is in the background: wait for all three requests, bounded.
+    let mut all = Value::Null;
+    for _ in 0..100 {
+        let (s, body) = srv
+            .admin_call(reqwest::Method::GET, "/admin/v1/usage", None)
+            .await;
+        assert_eq!(s, 200, "{body}");
+        let total: i64 = body["result"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["requests"].as_i64().unwrap())
+            .sum();
+        if total >= 3 {
+            all = body["result"].clone();
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let rows = all.as_array().expect("usage rows within 5 s");
+    assert_eq!(rows.len(), 2, "{all}");
+    let a_row = rows.iter().find(|r| r["tenant_id"] == a.as_str()).unwrap();
+    assert_eq!(a_row["model"], TEXT);
+    assert!(a_row["output_tokens"].as_i64().unwrap() > 0, "{a_row}");
+    let b_row = rows.iter().find(|r| r["tenant_id"] == b.as_str()).unwrap();
+    assert_eq!(b_row["requests"], 2, "{b_row}");
+    assert_eq!(b_row["errors"].as_object().unwrap().len(), 1, "{b_row}");
+
+    let (_, by_tenant) = srv
+        .admin_call(
+            reqwest::Method::GET,
+            &format!("/admin/v1/usage?tenant={a}"),
+            None,
+        )
+        .await;
+    assert_eq!(by_tenant["result"].as_array().unwrap().len(), 1);
+    let (_, by_model) = srv
+        .admin_call(
+            reqwest::Method::GET,
+            &format!("/admin/v1/usage?model={EMBED}&days=1"),
+            None,
+        )
+        .await;
+    let by_model = by_model["result"].as_array().unwrap();
+    assert_eq!(by_model.len(), 1);
+    assert_eq!(by_model[0]["tenant_id"], b.as_str());
+    let (s, body) = srv
+        .admin_call(reqwest::Method::GET, "/admin/v1/usage?days=0", None)
+        .await;
+    assert_error(s, &body, 400, 5006);
+    let r = srv
+        .http
+        .get(srv.url("/admin/v1/usage"))
+        .bearer_auth(&tok_a)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403, "tenant tokens cannot read admin usage");
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_revoked_token_gets_401_and_its_revocation_is_in_the_tenants_audit_log() {
+    let srv = Server::start("revoke").await;
+    let (acct, token_id, tok) = srv.tenant("revoker").await;
+    let hi = json!({"prompt": "hi", "max_tokens": 1});
+    let (s, _, _) = json_of(srv.run(&acct, &tok, TEXT, hi.clone()).await).await;
+    assert_eq!(s, 200);
+    let (s, body) = srv
+        .admin_call(
+            reqwest::Method::DELETE,
+            &format!("/admin/v1/tokens/{token_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200, "{body}");
+    let (s, body, _) = json_of(srv.run(&acct, &tok, TEXT, hi).await).await;
+    assert_error(s, &body, 401, 10000);
+    let (_, audit) = srv
+        .admin_call(
+            reqwest::Method::GET,
+            &format!("/admin/v1/audit?tenant={acct}"),
+            None,
+        )
+        .await;
+    let actions: Vec<&str> = audit["result"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        actions,
+        ["token.revoke", "token.create", "tenant.create"],
+        "{audit}"
+    );
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_admin_ui_is_served_at_admin() {
+    let srv = Server::start("ui").await;
+    let no_redirect = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let r = no_redirect.get(srv.url("/admin")).send().await.unwrap();
+    assert!(r.status().is_redirection(), "{}", r.status());
+    assert_eq!(r.headers()["location"], "/admin/");
+    let r = srv.http.get(srv.url("/admin/")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/html; charset=utf-8");
+    assert_eq!(r.headers()["cache-control"], "no-cache");
+    let page = r.text().await.unwrap();
+    if bulkhead_platform::web::built() {
+        // Every asset the page links is served, with its type and a long cache life.
+        let links: Vec<&str> = page
+            .split("/admin/assets/")
+            .skip(1)
+            .map(|rest| rest.split('"').next().unwrap())
+            .collect();
+        assert!(!links.is_empty(), "{page}");
+        for l in links {
+            let r = srv
+                .http
+                .get(srv.url(&format!("/admin/assets/{l}")))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200, "{l}");
+            assert!(
+                r.headers()["cache-control"]
+                    .to_str()
+                    .unwrap()
+                    .contains("immutable")
+            );
+        }
+    } else {
+        assert!(page.contains("not built"), "{page}");
+    }
+    let r = srv
+        .http
+        .get(srv.url("/admin/assets/missing.js"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    // The admin API keeps its own answers under the same prefix.
+    let r = srv
+        .http
+        .get(srv.url("/admin/v1/models"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
     srv.stop().await;
 }

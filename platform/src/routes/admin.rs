@@ -104,10 +104,12 @@ pub async fn revoke_token(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let p = auth::admin(&s.store, &headers).await?;
+    let tenant = s.store.get_token(&token_id).await?.map(|t| t.tenant_id);
     if !s.store.revoke_token(&token_id).await? {
         return Err(ApiError::not_found(format!("no active token {token_id}")));
     }
-    let after = serde_json::json!({"id": token_id, "revoked": true});
+    // The tenant is named so that the audit log filtered by tenant shows the revocation.
+    let after = serde_json::json!({"id": token_id, "revoked": true, "tenant": tenant});
     s.store
         .audit(&actor(&p), "token.revoke", &token_id, None, Some(&after))
         .await?;
@@ -479,4 +481,39 @@ pub async fn list_audit(
         limit: q.limit.unwrap_or(100).clamp(1, 1000),
     };
     Ok(ok(s.store.list_audit(&f).await?))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+pub struct UsageQuery {
+    /// Only this tenant (account id).
+    tenant: Option<String>,
+    /// Only this model.
+    model: Option<String>,
+    /// The last `days` UTC days, today included (default 30, at most 366).
+    days: Option<i64>,
+}
+
+#[utoipa::path(get, path = "/admin/v1/usage", tag = "admin", params(UsageQuery), responses((status = 200, description = "Usage per tenant, model and UTC day (newest first), errors by code", body = crate::openapi::Envelope<Vec<crate::store::UsageRow>>)))]
+pub async fn list_usage(
+    State(s): State<SharedState>,
+    Query(q): Query<UsageQuery>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    auth::admin(&s.store, &headers).await?;
+    let days = q.days.unwrap_or(30);
+    if !(1..=366).contains(&days) {
+        return Err(ApiError::bad_input("days must be between 1 and 366"));
+    }
+    let since = crate::store::utc_day(crate::store::now_ms() - (days - 1) * 86_400_000);
+    let tenant = q.tenant.as_deref().filter(|t| !t.is_empty());
+    let model = q.model.as_deref().filter(|m| !m.is_empty());
+    let rows: Vec<_> = s
+        .store
+        .usage(tenant)
+        .await?
+        .into_iter()
+        // `YYYY-MM-DD` strings order like the days they name.
+        .filter(|r| r.day >= since && model.is_none_or(|m| r.model == m))
+        .collect();
+    Ok(ok(rows))
 }
