@@ -11,8 +11,8 @@ fi
 "$venv/bin/pip" install -q --disable-pip-version-check -r e2e/requirements.txt
 # Builds (and embeds) the admin UI too, installing web/node_modules on first use.
 cargo build --quiet --bin bulkhead
-export BULKHEAD_BIN="$PWD/target/debug/bulkhead"
-"$venv/bin/python" -m pytest -q e2e/sdk e2e/incident
+export BULKHEAD_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/bulkhead"
+"$venv/bin/python" -m pytest -q e2e/sdk e2e/incident e2e/workers
 
 npm_ci() { # DIR: install its locked packages when they are missing or older than the lock
   if [ ! "$1/node_modules/.package-lock.json" -nt "$1/package-lock.json" ]; then

@@ -27,6 +27,16 @@ pub enum Role {
     Decode,
 }
 
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Role::Unified => "unified",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        })
+    }
+}
+
 impl std::str::FromStr for Role {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -160,6 +170,20 @@ impl Node {
             }
             Role::Decode if cfg.transfer.listen.is_none() => {
                 bail!("a decode node needs a transfer address (transfer.listen, --transfer-listen)")
+            }
+            // Only a decode node takes KV transfers in; anything else would run requests whose
+            // admission and routing the control plane never saw.
+            Role::Unified | Role::Prefill if cfg.transfer.listen.is_some() => {
+                bail!(
+                    "only a decode node accepts KV transfers: transfer.listen (--transfer-listen) needs role = \"decode\", not \"{}\"",
+                    cfg.role
+                )
+            }
+            Role::Unified | Role::Decode if !cfg.transfer.peers.is_empty() => {
+                bail!(
+                    "only a prefill node sends KV transfers: transfer.peers (--decode-peer) needs role = \"prefill\", not \"{}\"",
+                    cfg.role
+                )
             }
             _ => {}
         }

@@ -58,3 +58,27 @@ fn a_pool_that_fits_starts() {
     let pool = node.text[SMOLLM2_NAME].pool().stats();
     assert_eq!(pool.capacity_tokens, 2048);
 }
+
+#[test]
+fn transfer_settings_outside_their_role_are_refused() {
+    // A unified node listening for transfers would run requests the control plane never
+    // admitted or routed; a decode node with peers would never use them.
+    let mut unified = config(2048, 1024, 2.0);
+    unified.transfer.listen = Some("127.0.0.1:0".into());
+    let msg = format!("{:#}", Node::start(&unified).err().expect("must refuse"));
+    assert!(
+        msg.contains("only a decode node accepts KV transfers"),
+        "{msg}"
+    );
+    assert!(msg.contains("\"unified\""), "{msg}");
+
+    let mut decode = config(2048, 1024, 2.0);
+    decode.role = bulkhead_runtime::node::Role::Decode;
+    decode.transfer.listen = Some("127.0.0.1:0".into());
+    decode.transfer.peers = vec!["127.0.0.1:9".into()];
+    let msg = format!("{:#}", Node::start(&decode).err().expect("must refuse"));
+    assert!(
+        msg.contains("only a prefill node sends KV transfers"),
+        "{msg}"
+    );
+}

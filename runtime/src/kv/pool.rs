@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::{Mutex, RwLock};
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::RuntimeError;
 
@@ -143,6 +144,8 @@ pub struct KvPool {
     pages: Vec<RwLock<PageData>>,
     meta: Mutex<Meta>,
     isolation_violations: AtomicU64,
+    /// Woken whenever pages or reserved room go back to the pool.
+    room: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for KvPool {
@@ -180,6 +183,7 @@ impl KvPool {
                 reserved: 0,
             }),
             isolation_violations: AtomicU64::new(0),
+            room: tokio::sync::Notify::new(),
         }
     }
 
@@ -234,6 +238,29 @@ impl KvPool {
         }
         meta.reserved += wanted;
         Ok(Reservation { pages: wanted })
+    }
+
+    /// [`KvPool::try_reserve`], waiting until `deadline` for releases to make room (woken
+    /// by each release rather than polling). Fails with the last shortfall at the deadline.
+    pub async fn reserve_by(
+        &self,
+        tokens: usize,
+        deadline: tokio::time::Instant,
+    ) -> Result<Reservation, PoolFull> {
+        loop {
+            // Registered before the check, so a release between the two is not missed.
+            let released = self.room.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            match self.try_reserve(tokens) {
+                Ok(r) => return Ok(r),
+                Err(full) => {
+                    if tokio::time::timeout_at(deadline, released).await.is_err() {
+                        return Err(full);
+                    }
+                }
+            }
+        }
     }
 
     /// Start a sequence on a reservation.
@@ -391,6 +418,8 @@ impl KvPool {
 
     /// Append the K/V of the first `tokens` slots of a page `owner` holds to `out`, in wire
     /// order (`[layer][k|v][slot][kv_dim]`, f32 little-endian), checking the owner tag first.
+    /// Returns the xxh3-64 of the appended bytes, computed run by run while each run is still
+    /// in cache (one pass over the page instead of a copy and then a checksum pass).
     /// Used by the prefill side of a KV transfer on pages it holds after its own release.
     pub fn export_page(
         &self,
@@ -398,7 +427,7 @@ impl KvPool {
         page_ref: PageRef,
         tokens: usize,
         out: &mut Vec<u8>,
-    ) -> Result<(), RuntimeError> {
+    ) -> Result<u64, RuntimeError> {
         if tokens > self.page_size {
             return Err(RuntimeError::Internal(format!(
                 "{tokens} tokens do not fit a page of {}",
@@ -408,24 +437,31 @@ impl KvPool {
         let page = self.pages[page_ref.page as usize].read();
         self.check_tag(owner, page_ref, &page)?;
         let run = tokens * self.layout.kv_dim;
+        let mut hasher = Xxh3::new();
+        out.reserve(self.wire_bytes(tokens));
         for layer in 0..self.layout.layers {
             for kind in 0..2 {
                 let o = self.offset(layer, kind, 0);
-                out.extend_from_slice(bytemuck::cast_slice(&page.data[o..o + run]));
+                let bytes: &[u8] = bytemuck::cast_slice(&page.data[o..o + run]);
+                out.extend_from_slice(bytes);
+                hasher.update(bytes);
             }
         }
-        Ok(())
+        Ok(hasher.digest())
     }
 
     /// Write received K/V (wire order, as `export_page` writes it) into page `index` of
     /// `seq`'s block table, checking the owner tag. Pages must be allocated (`grow`).
+    /// Returns the xxh3-64 of `data`, hashed run by run as it is copied; the caller compares
+    /// it with the sender's. The page is the receiving sequence's own and is not read before
+    /// the whole transfer is verified, so a mismatch only fails that sequence.
     pub fn import_page(
         &self,
         seq: &SeqKv,
         index: usize,
         tokens: usize,
         data: &[u8],
-    ) -> Result<(), RuntimeError> {
+    ) -> Result<u64, RuntimeError> {
         if tokens > self.page_size || data.len() != self.wire_bytes(tokens) {
             return Err(RuntimeError::Internal(format!(
                 "page data of {} bytes for {tokens} tokens does not match the layout",
@@ -440,15 +476,49 @@ impl KvPool {
         let run = tokens * self.layout.kv_dim;
         let bytes = run * std::mem::size_of::<f32>();
         let mut chunks = data.chunks_exact(bytes);
+        let mut hasher = Xxh3::new();
         for layer in 0..self.layout.layers {
             for kind in 0..2 {
                 let o = self.offset(layer, kind, 0);
                 let src = chunks.next().expect("length checked above");
+                hasher.update(src);
                 bytemuck::cast_slice_mut::<f32, u8>(&mut page.data[o..o + run])
                     .copy_from_slice(src);
             }
         }
-        Ok(())
+        Ok(hasher.digest())
+    }
+
+    /// Run `f` on the bytes of a full page that `owner` holds, in wire order (for a full page
+    /// that is its memory order), under the page's read lock and after its owner check. For
+    /// sending a page without copying it out first; `f` runs under the lock, so it must not
+    /// block (a non-blocking socket write, a checksum).
+    pub fn with_full_page<R>(
+        &self,
+        owner: &Owner,
+        page_ref: PageRef,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, RuntimeError> {
+        let page = self.pages[page_ref.page as usize].read();
+        self.check_tag(owner, page_ref, &page)?;
+        Ok(f(bytemuck::cast_slice(&page.data)))
+    }
+
+    /// Run `f` on the bytes of page `index` of `seq`'s block table, all `page_size` slots in
+    /// wire order, under the page's write lock and after its owner check. For receiving a
+    /// full page straight into the pool; `f` must not block (a non-blocking socket read).
+    pub fn with_full_page_mut<R>(
+        &self,
+        seq: &SeqKv,
+        index: usize,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, RuntimeError> {
+        let page_ref = *seq.table.get(index).ok_or_else(|| {
+            RuntimeError::Internal(format!("page {index} beyond the block table"))
+        })?;
+        let mut page = self.pages[page_ref.page as usize].write();
+        self.check_tag(&seq.owner, page_ref, &page)?;
+        Ok(f(bytemuck::cast_slice_mut(&mut page.data)))
     }
 
     /// Take an extra hold on the pages of `seq` (a transfer or reader), checked against the
@@ -512,6 +582,7 @@ impl KvPool {
                 }
             }
         }
+        // Wakes `reserve_by` waiters: the unused reservation is room again.
         self.free_pages(&to_free);
     }
 
@@ -527,6 +598,8 @@ impl KvPool {
             meta.state[page as usize].allocated = false;
             meta.free.push_back(page);
         }
+        drop(meta);
+        self.room.notify_waiters();
     }
 
     /// Whether a page (for tests and audits) is free and poisoned.
@@ -582,6 +655,104 @@ mod tests {
         assert_eq!(vo, v);
         pool.release(&mut seq);
         assert_eq!(pool.stats().pages_free, 8);
+    }
+
+    #[test]
+    fn exported_pages_import_with_the_wire_checksum() {
+        let (src, dst) = (KvPool::new(layout(), 4, 4), KvPool::new(layout(), 4, 4));
+        let mut a = src.open(owner("a", 1), src.try_reserve(6).unwrap());
+        src.grow(&mut a, 6).unwrap();
+        for layer in 0..2 {
+            let k: Vec<f32> = (0..24).map(|x| (x + 100 * layer) as f32).collect();
+            let v: Vec<f32> = k.iter().map(|x| -x).collect();
+            src.write(&a, layer, 0, &k, &v).unwrap();
+        }
+        src.commit(&mut a, 6);
+        let mut b = dst.open(owner("b", 9), dst.try_reserve(6).unwrap());
+        dst.grow(&mut b, 6).unwrap();
+        for (i, tokens) in [(0, 4), (1, 2)] {
+            let mut wire = Vec::new();
+            let sum = src
+                .export_page(a.owner(), a.block_table()[i], tokens, &mut wire)
+                .unwrap();
+            assert_eq!(wire.len(), src.wire_bytes(tokens));
+            assert_eq!(
+                sum,
+                xxhash_rust::xxh3::xxh3_64(&wire),
+                "one-shot == streamed"
+            );
+            assert_eq!(dst.import_page(&b, i, tokens, &wire).unwrap(), sum);
+            wire[5] ^= 1;
+            assert_ne!(dst.import_page(&b, i, tokens, &wire).unwrap(), sum);
+        }
+        // A full page is the same bytes in place as exported, and writable in place.
+        let mut wire = Vec::new();
+        src.export_page(a.owner(), a.block_table()[0], 4, &mut wire)
+            .unwrap();
+        let in_place = src
+            .with_full_page(a.owner(), a.block_table()[0], <[u8]>::to_vec)
+            .unwrap();
+        assert_eq!(in_place, wire);
+        dst.with_full_page_mut(&b, 0, |page| page.copy_from_slice(&wire))
+            .unwrap();
+        let mut back = Vec::new();
+        dst.export_page(b.owner(), b.block_table()[0], 4, &mut back)
+            .unwrap();
+        assert_eq!(back, wire);
+        // Another owner cannot touch a's page, in place or not.
+        assert!(matches!(
+            src.with_full_page(&owner("x", 3), a.block_table()[0], |_| ()),
+            Err(RuntimeError::Isolation(_))
+        ));
+        let mut forged = src.open(owner("x", 4), src.try_reserve(0).unwrap());
+        forged.forge_block_table_entry_push(a.block_table()[0]);
+        assert!(matches!(
+            src.with_full_page_mut(&forged, 0, |page| page.fill(0)),
+            Err(RuntimeError::Isolation(_))
+        ));
+        forged.forge_block_table_entry(
+            0,
+            PageRef {
+                page: 0,
+                epoch: u64::MAX,
+            },
+        );
+        src.release(&mut forged); // refuses to free the forged entry (one more alarm)
+        let intact = src
+            .with_full_page(a.owner(), a.block_table()[0], <[u8]>::to_vec)
+            .unwrap();
+        assert_eq!(intact, wire, "the refused write changed nothing");
+        let mut out = Vec::new();
+        assert!(matches!(
+            src.export_page(&owner("x", 3), a.block_table()[0], 4, &mut out),
+            Err(RuntimeError::Isolation(_))
+        ));
+        assert!(out.is_empty());
+        src.release(&mut a);
+        dst.release(&mut b);
+    }
+
+    #[tokio::test]
+    async fn reserve_by_waits_for_a_release_and_gives_up_at_its_deadline() {
+        let pool = Arc::new(KvPool::new(layout(), 4, 2));
+        let mut holder = pool.open(owner("a", 1), pool.try_reserve(8).unwrap());
+        pool.grow(&mut holder, 8).unwrap();
+        let soon = tokio::time::Instant::now() + std::time::Duration::from_millis(20);
+        let full = pool.reserve_by(4, soon).await.unwrap_err();
+        assert_eq!((full.wanted, full.available), (1, 0));
+        let waiter = {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let later = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+                pool.reserve_by(8, later).await
+            })
+        };
+        tokio::task::yield_now().await;
+        pool.release(&mut holder);
+        let r = waiter.await.unwrap().expect("woken by the release");
+        let mut seq = pool.open(owner("b", 2), r);
+        pool.release(&mut seq);
+        assert_eq!(pool.stats().pages_free, 2);
     }
 
     #[test]

@@ -8,16 +8,16 @@
 //! failure, timeout or lost connection.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use tokio::io::BufReader;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::TransferConfig;
 use super::wire::{self, ErrorFrame, Frame, Hello, Kind, WireEvent};
 use crate::admission::check_generation;
-use crate::engine::{Engine, GenEvent, Submission};
+use crate::engine::{Engine, Submission};
 use crate::error::{RuntimeError, TransferError};
 use crate::kv::{KvPool, SeqKv};
 use crate::metrics::side;
@@ -70,7 +70,8 @@ struct Failure {
 async fn handle(stream: TcpStream, node: Arc<Node>, cfg: TransferConfig) {
     let _ = stream.set_nodelay(true);
     let (rd, mut wr) = stream.into_split();
-    let mut rd = BufReader::with_capacity(256 << 10, rd);
+    // Small: page data goes straight into the pool, not through this buffer.
+    let mut rd = BufReader::with_capacity(16 << 10, rd);
     let metrics = node.metrics.clone();
     metrics
         .transfers_started
@@ -128,31 +129,14 @@ async fn stream_events(
             // Prefill sends nothing after the commit: any frame or EOF here means it left.
             _ = wire::read_frame(rd, max_frame) => return,
         };
-        let (wire_ev, last) = match ev {
-            None => (
-                WireEvent::Error(RuntimeError::Internal("engine dropped the request".into())),
-                true,
-            ),
-            Some(GenEvent::Admitted { .. }) => continue,
-            Some(GenEvent::Token { text }) => (WireEvent::Token { text }, false),
-            Some(GenEvent::Done {
-                usage,
-                finish_reason,
-            }) => (
-                WireEvent::Done {
-                    usage,
-                    finish_reason,
-                },
-                true,
-            ),
-            Some(GenEvent::Error(e)) => (WireEvent::Error(e), true),
-            Some(GenEvent::Prefilled(_)) => (
-                WireEvent::Error(RuntimeError::Internal(
-                    "a decode node does not hand off".into(),
-                )),
-                true,
-            ),
+        let wire_ev = match ev {
+            None => WireEvent::Error(RuntimeError::Internal("engine dropped the request".into())),
+            Some(ev) => match WireEvent::from_engine(ev) {
+                Some(w) => w,
+                None => continue,
+            },
         };
+        let last = wire_ev.is_last();
         if wire::write_frame(wr, Kind::Event, &wire_ev, &[])
             .await
             .is_err()
@@ -262,19 +246,14 @@ async fn admit(engine: &Engine, hello: &Hello) -> Result<KvGuard, RuntimeError> 
         pool.capacity_tokens(),
     )?;
     let need = hello.prompt.len() + hello.params.max_tokens;
-    let deadline = Instant::now() + Duration::from_millis(engine.queue_timeout_ms());
-    let reservation = loop {
-        match pool.try_reserve(need) {
-            Ok(r) => break r,
-            Err(full) if Instant::now() >= deadline => {
-                return Err(RuntimeError::Overloaded {
-                    reason: format!("decode node KV pool full: {full}"),
-                    retry_after_s: 1,
-                });
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
-        }
-    };
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(engine.queue_timeout_ms());
+    let reservation =
+        pool.reserve_by(need, deadline)
+            .await
+            .map_err(|full| RuntimeError::Overloaded {
+                reason: format!("decode node KV pool full: {full}"),
+                retry_after_s: 1,
+            })?;
     let owner = engine.new_owner(&hello.tenant);
     let mut guard = KvGuard {
         pool: pool.clone(),
@@ -282,6 +261,47 @@ async fn admit(engine: &Engine, hello: &Hello) -> Result<KvGuard, RuntimeError> 
     };
     pool.grow(guard.seq(), hello.token_count)?;
     Ok(guard)
+}
+
+/// Receive one full page straight into page `index` of `seq`: first what the buffered
+/// reader already holds, then from the socket with non-blocking reads, each under the page's
+/// lock and owner check (never held across an await). Returns the page's xxh3, hashed
+/// piece by piece right after each read, while the bytes are still in cache.
+async fn read_full_page(
+    rd: &mut BufReader<OwnedReadHalf>,
+    pool: &KvPool,
+    seq: &SeqKv,
+    index: usize,
+) -> Result<u64, RuntimeError> {
+    let closed = |e: std::io::Error| RuntimeError::from(TransferError::PeerClosed(e.to_string()));
+    let len = pool.wire_bytes(pool.page_size());
+    let mut hasher = wire::Checksum::new();
+    let buffered = rd.buffer().len().min(len);
+    pool.with_full_page_mut(seq, index, |page| {
+        page[..buffered].copy_from_slice(&rd.buffer()[..buffered]);
+        hasher.update(&page[..buffered]);
+    })?;
+    rd.consume(buffered);
+    let mut got = buffered;
+    while got < len {
+        let socket = rd.get_ref();
+        let read = pool.with_full_page_mut(seq, index, |page| {
+            let read = socket.try_read(&mut page[got..]);
+            if let Ok(n) = read {
+                hasher.update(&page[got..got + n]);
+            }
+            read
+        })?;
+        match read {
+            Ok(0) => return Err(TransferError::PeerClosed("connection closed".into()).into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                socket.readable().await.map_err(closed)?
+            }
+            Err(e) => return Err(closed(e)),
+        }
+    }
+    Ok(hasher.digest())
 }
 
 /// Receive every batch and the commit; verify all of it. Returns the logits.
@@ -296,53 +316,70 @@ async fn receive_pages(
     let pool = engine.pool().clone();
     let page_size = pool.page_size();
     let mut got = vec![false; hello.page_count];
+    let mut partial = Vec::new();
     let mut tokens = 0usize;
     let mut bytes = 0u64;
     let protocol = |m: String| RuntimeError::from(TransferError::Protocol(m));
     let (commit, tail) = loop {
-        match wire::read_frame(rd, cfg.max_frame_bytes).await? {
-            Frame::Pages(header, tail) => {
-                if header.tenant != hello.tenant || header.request != hello.request {
-                    return Err(TransferError::Owner {
-                        index: header.pages.first().map_or(0, |p| p.index),
-                    }
-                    .into());
-                }
-                let mut offset = 0usize;
-                for p in &header.pages {
-                    let index = p.index as usize;
-                    if index >= hello.page_count || got[index] {
-                        return Err(protocol(format!("page {index} out of place")));
-                    }
-                    // Every page is full except the last; nothing may leave a hole.
-                    let expected = page_size.min(hello.token_count - index * page_size);
-                    if p.tokens as usize != expected {
-                        return Err(TransferError::TokenCount {
-                            declared: expected,
-                            received: p.tokens as usize,
-                        }
-                        .into());
-                    }
-                    let len = pool.wire_bytes(expected);
-                    let data = tail
-                        .get(offset..offset + len)
-                        .ok_or_else(|| protocol(format!("page {index} cut short")))?;
-                    if wire::checksum(data) != p.checksum {
-                        return Err(TransferError::Checksum { index: p.index }.into());
-                    }
-                    pool.import_page(guard.seq(), index, expected, data)?;
-                    got[index] = true;
-                    tokens += expected;
-                    offset += len;
-                }
-                if offset != tail.len() {
-                    return Err(protocol("bytes beyond the batch's pages".into()));
-                }
-                bytes += tail.len() as u64;
+        let head = wire::read_head(rd, cfg.max_frame_bytes).await?;
+        if head.kind != Kind::Pages {
+            match wire::read_rest(rd, head).await? {
+                Frame::Commit(c, tail) => break (c, tail),
+                f => return Err(protocol(format!("unexpected {} frame", f.kind()))),
             }
-            Frame::Commit(c, tail) => break (c, tail),
-            f => return Err(protocol(format!("unexpected {} frame", f.kind()))),
         }
+        let header: wire::PagesHeader = head.parse()?;
+        if header.tenant != hello.tenant || header.request != hello.request {
+            return Err(TransferError::Owner {
+                index: header.pages.first().map_or(0, |p| p.index),
+            }
+            .into());
+        }
+        // Check every page header, and that they account for the whole tail, before
+        // reading any page data.
+        let mut expected_tail = 0usize;
+        for p in &header.pages {
+            let index = p.index as usize;
+            if index >= hello.page_count || got[index] {
+                return Err(protocol(format!("page {index} out of place")));
+            }
+            // Every page is full except the last; nothing may leave a hole.
+            let expected = page_size.min(hello.token_count - index * page_size);
+            if p.tokens as usize != expected {
+                return Err(TransferError::TokenCount {
+                    declared: expected,
+                    received: p.tokens as usize,
+                }
+                .into());
+            }
+            got[index] = true;
+            expected_tail += pool.wire_bytes(expected);
+        }
+        if expected_tail != head.tail_len {
+            return Err(protocol(format!(
+                "a batch of {} page bytes carries {} bytes",
+                expected_tail, head.tail_len
+            )));
+        }
+        for p in &header.pages {
+            let (index, in_page) = (p.index as usize, p.tokens as usize);
+            // Written into this sequence's own page and hashed there; nothing reads the
+            // page unless the whole transfer verifies.
+            let sum = if in_page == page_size {
+                read_full_page(rd, &pool, guard.seq(), index).await?
+            } else {
+                partial.resize(pool.wire_bytes(in_page), 0);
+                rd.read_exact(&mut partial)
+                    .await
+                    .map_err(|e| TransferError::PeerClosed(e.to_string()))?;
+                pool.import_page(guard.seq(), index, in_page, &partial)?
+            };
+            if sum != p.checksum {
+                return Err(TransferError::Checksum { index: p.index }.into());
+            }
+            tokens += in_page;
+        }
+        bytes += head.tail_len as u64;
     };
     node.metrics
         .transfer_bytes

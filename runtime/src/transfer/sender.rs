@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tokio::io::BufReader;
+use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
@@ -14,6 +14,7 @@ use super::TransferConfig;
 use super::wire::{self, Commit, Frame, Hello, Kind, PageHeader, PagesHeader, WireEvent};
 use crate::engine::{GenEvent, PrefillHandoff};
 use crate::error::{RuntimeError, TransferError};
+use crate::kv::{KvPool, Owner, PageRef};
 use crate::metrics::{NodeMetrics, side};
 
 /// The decode nodes a prefill node sends to, taken in turn.
@@ -205,32 +206,52 @@ async fn send_inner(
         Frame::Reject(e) => return Err(e),
         f => return Err(unexpected(&f)),
     }
-    // Batches bounded by bytes: TCP flow control makes a slow decode node slow us down, and
-    // at most one batch is in memory here.
-    let mut buf = Vec::with_capacity(cfg.batch_bytes + pool.wire_bytes(page_size));
-    let mut batch = Vec::new();
+    // Batches bounded by bytes (at least one page each): TCP flow control makes a slow
+    // decode node slow us down. Full pages go to the socket straight from the pool, with
+    // non-blocking writes under the page's lock (never held across an await), so a page is
+    // read once for its checksum (leaving it in cache) and once by the kernel's copy; only a
+    // partial last page is copied out first.
+    let page_bytes = pool.wire_bytes(page_size);
+    let per_batch = (cfg.batch_bytes / page_bytes).max(1);
+    let mut partial = Vec::new();
     let mut sent = 0u64;
-    for (i, page) in h.pages.iter().enumerate() {
-        let in_page = page_size.min(tokens - i * page_size);
-        let start = buf.len();
-        pool.export_page(&h.owner, *page, in_page, &mut buf)?;
-        batch.push(PageHeader {
-            index: i as u32,
-            tokens: in_page as u32,
-            checksum: wire::checksum(&buf[start..]),
-        });
-        if buf.len() >= cfg.batch_bytes || i + 1 == h.pages.len() {
-            let header = PagesHeader {
-                tenant: h.owner.tenant.to_string(),
-                request: h.owner.request,
-                pages: std::mem::take(&mut batch),
+    let mut first = 0;
+    while first < h.pages.len() {
+        let last = (first + per_batch).min(h.pages.len());
+        let mut headers = Vec::with_capacity(last - first);
+        let mut tail_len = 0;
+        for (i, page) in h.pages.iter().enumerate().take(last).skip(first) {
+            let in_page = page_size.min(tokens - i * page_size);
+            let checksum = if in_page == page_size {
+                pool.with_full_page(&h.owner, *page, wire::checksum)?
+            } else {
+                partial.clear();
+                pool.export_page(&h.owner, *page, in_page, &mut partial)?
             };
-            wire::write_frame(&mut wr, Kind::Pages, &header, &buf)
-                .await
-                .map_err(io)?;
-            sent += buf.len() as u64;
-            buf.clear();
+            tail_len += pool.wire_bytes(in_page);
+            headers.push(PageHeader {
+                index: i as u32,
+                tokens: in_page as u32,
+                checksum,
+            });
         }
+        let header = PagesHeader {
+            tenant: h.owner.tenant.to_string(),
+            request: h.owner.request,
+            pages: headers,
+        };
+        wire::write_head(&mut wr, Kind::Pages, &header, tail_len)
+            .await
+            .map_err(io)?;
+        for (p, page) in header.pages.iter().zip(&h.pages[first..last]) {
+            if p.tokens as usize == page_size {
+                write_full_page(&wr, pool, &h.owner, *page, page_bytes).await?;
+            } else {
+                wr.write_all(&partial).await.map_err(io)?;
+            }
+        }
+        sent += tail_len as u64;
+        first = last;
     }
     metrics
         .transfer_bytes
@@ -256,6 +277,29 @@ async fn send_inner(
     }
 }
 
+/// Send a full page straight from the pool: each non-blocking write runs under the page's
+/// read lock and owner check; waiting for the socket happens with the lock released.
+async fn write_full_page(
+    wr: &OwnedWriteHalf,
+    pool: &KvPool,
+    owner: &Owner,
+    page: PageRef,
+    len: usize,
+) -> Result<(), RuntimeError> {
+    let io = |e: std::io::Error| RuntimeError::from(TransferError::PeerClosed(e.to_string()));
+    let mut sent = 0;
+    while sent < len {
+        match pool.with_full_page(owner, page, |bytes| wr.try_write(&bytes[sent..]))? {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                wr.writable().await.map_err(io)?
+            }
+            Err(e) => return Err(io(e)),
+        }
+    }
+    Ok(())
+}
+
 fn unexpected(f: &Frame) -> RuntimeError {
     TransferError::Protocol(format!("unexpected {} frame", f.kind())).into()
 }
@@ -269,27 +313,12 @@ async fn relay(mut conn: Accepted, out: UnboundedSender<GenEvent>, max_frame: us
             _ = out.closed() => return,
         };
         let ev = match frame {
-            Ok(Frame::Event(WireEvent::Token { text })) => GenEvent::Token { text },
-            Ok(Frame::Event(WireEvent::Done {
-                usage,
-                finish_reason,
-            })) => {
-                let _ = out.send(GenEvent::Done {
-                    usage,
-                    finish_reason,
-                });
-                return;
-            }
-            Ok(Frame::Event(WireEvent::Error(e))) | Err(e) => {
-                let _ = out.send(GenEvent::Error(e));
-                return;
-            }
-            Ok(f) => {
-                let _ = out.send(GenEvent::Error(unexpected(&f)));
-                return;
-            }
+            Ok(Frame::Event(ev)) => ev,
+            Err(e) => WireEvent::Error(e),
+            Ok(f) => WireEvent::Error(unexpected(&f)),
         };
-        if out.send(ev).is_err() {
+        let last = ev.is_last();
+        if out.send(ev.into()).is_err() || last {
             return;
         }
     }

@@ -13,7 +13,7 @@ use bytes::{BufMut, Bytes};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::engine::{FinishReason, Usage};
+use crate::engine::{FinishReason, GenEvent, Usage};
 use crate::error::{RuntimeError, TransferError};
 use crate::sampling::SamplingParams;
 
@@ -23,10 +23,14 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// Element type of the K/V on the wire: f32, little-endian (the pool's own layout).
 pub const DTYPE: &str = "f32le";
 
-/// The checksum of a page's (or the logits') bytes.
+/// The checksum of a page's (or the logits') bytes: xxh3-64, the same hash `KvPool`'s
+/// `export_page` and `import_page` compute while they copy a page.
 pub fn checksum(data: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(data)
 }
+
+/// [`checksum`] computed piece by piece (`update`, then `digest`): the same value.
+pub type Checksum = xxhash_rust::xxh3::Xxh3;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -125,6 +129,49 @@ pub enum WireEvent {
     Error(RuntimeError),
 }
 
+impl WireEvent {
+    /// The wire form of an engine event a decode node streams back. `Admitted` stays on the
+    /// node (`None`); a `Prefilled` cannot happen on a decode node and goes out as an error.
+    pub fn from_engine(ev: GenEvent) -> Option<WireEvent> {
+        Some(match ev {
+            GenEvent::Admitted { .. } => return None,
+            GenEvent::Token { text } => WireEvent::Token { text },
+            GenEvent::Done {
+                usage,
+                finish_reason,
+            } => WireEvent::Done {
+                usage,
+                finish_reason,
+            },
+            GenEvent::Error(e) => WireEvent::Error(e),
+            GenEvent::Prefilled(_) => WireEvent::Error(RuntimeError::Internal(
+                "a decode node does not hand off".into(),
+            )),
+        })
+    }
+
+    /// Whether this event ends the generation.
+    pub fn is_last(&self) -> bool {
+        !matches!(self, WireEvent::Token { .. })
+    }
+}
+
+impl From<WireEvent> for GenEvent {
+    fn from(ev: WireEvent) -> GenEvent {
+        match ev {
+            WireEvent::Token { text } => GenEvent::Token { text },
+            WireEvent::Done {
+                usage,
+                finish_reason,
+            } => GenEvent::Done {
+                usage,
+                finish_reason,
+            },
+            WireEvent::Error(e) => GenEvent::Error(e),
+        }
+    }
+}
+
 /// A decoded frame.
 #[derive(Debug)]
 pub enum Frame {
@@ -164,8 +211,23 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     header: &impl Serialize,
     tail: &[u8],
 ) -> std::io::Result<()> {
+    write_head(w, kind, header, tail.len()).await?;
+    if !tail.is_empty() {
+        w.write_all(tail).await?;
+    }
+    Ok(())
+}
+
+/// Write a frame's length, kind and JSON header; the caller writes exactly `tail_len` bytes
+/// of tail after it (the sender writes pages straight from its pool this way).
+pub async fn write_head<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    kind: Kind,
+    header: &impl Serialize,
+    tail_len: usize,
+) -> std::io::Result<()> {
     let json = serde_json::to_vec(header).map_err(std::io::Error::other)?;
-    let body_len = 1 + 4 + json.len() + tail.len();
+    let body_len = 1 + 4 + json.len() + tail_len;
     let body_len = u32::try_from(body_len)
         .map_err(|_| std::io::Error::other(format!("frame of {body_len} bytes is too large")))?;
     let mut head = Vec::with_capacity(9 + json.len());
@@ -173,16 +235,95 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     head.push(kind as u8);
     head.extend_from_slice(&(json.len() as u32).to_le_bytes());
     head.extend_from_slice(&json);
-    w.write_all(&head).await?;
-    if !tail.is_empty() {
-        w.write_all(tail).await?;
-    }
-    Ok(())
+    w.write_all(&head).await
 }
 
 /// Write a frame with no header fields.
 pub async fn write_empty<W: AsyncWrite + Unpin>(w: &mut W, kind: Kind) -> std::io::Result<()> {
     write_frame(w, kind, &serde_json::json!({}), &[]).await
+}
+
+/// A frame's kind and JSON header, read; its tail (`tail_len` bytes) is still on the wire.
+#[derive(Debug)]
+pub struct FrameHead {
+    pub kind: Kind,
+    json: Vec<u8>,
+    pub tail_len: usize,
+}
+
+impl FrameHead {
+    /// The JSON header as `T`, or a protocol error.
+    pub fn parse<T: serde::de::DeserializeOwned>(&self) -> Result<T, RuntimeError> {
+        serde_json::from_slice(&self.json).map_err(|e| protocol(format!("bad header: {e}")))
+    }
+}
+
+fn closed(e: std::io::Error) -> RuntimeError {
+    TransferError::PeerClosed(e.to_string()).into()
+}
+
+/// Read a frame's length, kind and JSON header, for a body of at most `max_body` bytes.
+pub async fn read_head<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_body: usize,
+) -> Result<FrameHead, RuntimeError> {
+    let mut fixed = [0u8; 9];
+    r.read_exact(&mut fixed).await.map_err(closed)?;
+    let body_len = u32::from_le_bytes(fixed[0..4].try_into().expect("4 bytes")) as usize;
+    if body_len < 5 || body_len > max_body {
+        return Err(protocol(format!(
+            "frame of {body_len} bytes (limit {max_body})"
+        )));
+    }
+    let kind =
+        Kind::from_u8(fixed[4]).ok_or_else(|| protocol(format!("frame kind {}", fixed[4])))?;
+    let json_len = u32::from_le_bytes(fixed[5..9].try_into().expect("4 bytes")) as usize;
+    if 5 + json_len > body_len {
+        return Err(protocol("header longer than its frame"));
+    }
+    let mut json = vec![0u8; json_len];
+    r.read_exact(&mut json).await.map_err(closed)?;
+    Ok(FrameHead {
+        kind,
+        json,
+        tail_len: body_len - 5 - json_len,
+    })
+}
+
+/// Read the tail of a frame whose head was read, and decode the whole frame.
+pub async fn read_rest<R: AsyncRead + Unpin>(
+    r: &mut R,
+    head: FrameHead,
+) -> Result<Frame, RuntimeError> {
+    // Read into uninitialised capacity: zeroing megabytes per batch costs a pass over them.
+    let mut tail = bytes::BytesMut::with_capacity(head.tail_len);
+    while tail.len() < head.tail_len {
+        let left = head.tail_len - tail.len();
+        let mut limited = (&mut tail).limit(left);
+        match r.read_buf(&mut limited).await {
+            Ok(0) => return Err(TransferError::PeerClosed("connection closed".into()).into()),
+            Ok(_) => {}
+            Err(e) => return Err(closed(e)),
+        }
+    }
+    let tail = tail.freeze();
+    let no_tail = |f: Frame| {
+        if tail.is_empty() {
+            Ok(f)
+        } else {
+            Err(protocol(format!("{} frame with a tail", f.kind())))
+        }
+    };
+    match head.kind {
+        Kind::Hello => no_tail(Frame::Hello(Box::new(head.parse()?))),
+        Kind::Accept => no_tail(Frame::Accept),
+        Kind::Reject => no_tail(Frame::Reject(head.parse::<ErrorFrame>()?.error)),
+        Kind::Pages => Ok(Frame::Pages(head.parse()?, tail)),
+        Kind::Commit => Ok(Frame::Commit(head.parse()?, tail)),
+        Kind::Ack => no_tail(Frame::Ack),
+        Kind::Nack => no_tail(Frame::Nack(head.parse::<ErrorFrame>()?.error)),
+        Kind::Event => no_tail(Frame::Event(head.parse()?)),
+    }
 }
 
 /// Read one frame of at most `max_body` bytes. A closed connection is `PeerClosed`; anything
@@ -191,55 +332,8 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
     max_body: usize,
 ) -> Result<Frame, RuntimeError> {
-    let mut len = [0u8; 4];
-    if let Err(e) = r.read_exact(&mut len).await {
-        return Err(TransferError::PeerClosed(e.to_string()).into());
-    }
-    let body_len = u32::from_le_bytes(len) as usize;
-    if body_len < 5 || body_len > max_body {
-        return Err(protocol(format!(
-            "frame of {body_len} bytes (limit {max_body})"
-        )));
-    }
-    // Read into uninitialised capacity: zeroing megabytes per batch costs a pass over them.
-    let mut body = bytes::BytesMut::with_capacity(body_len);
-    while body.len() < body_len {
-        let left = body_len - body.len();
-        let mut limited = (&mut body).limit(left);
-        match r.read_buf(&mut limited).await {
-            Ok(0) => return Err(TransferError::PeerClosed("connection closed".into()).into()),
-            Ok(_) => {}
-            Err(e) => return Err(TransferError::PeerClosed(e.to_string()).into()),
-        }
-    }
-    let kind = Kind::from_u8(body[0]).ok_or_else(|| protocol(format!("frame kind {}", body[0])))?;
-    let json_len = u32::from_le_bytes(body[1..5].try_into().expect("4 bytes")) as usize;
-    if 5 + json_len > body_len {
-        return Err(protocol("header longer than its frame"));
-    }
-    let body = body.freeze();
-    let json = body.slice(5..5 + json_len);
-    let tail = body.slice(5 + json_len..);
-    fn parse<T: serde::de::DeserializeOwned>(json: &[u8]) -> Result<T, RuntimeError> {
-        serde_json::from_slice(json).map_err(|e| protocol(format!("bad header: {e}")))
-    }
-    let no_tail = |f: Frame| {
-        if tail.is_empty() {
-            Ok(f)
-        } else {
-            Err(protocol(format!("{} frame with a tail", f.kind())))
-        }
-    };
-    match kind {
-        Kind::Hello => no_tail(Frame::Hello(Box::new(parse(&json)?))),
-        Kind::Accept => no_tail(Frame::Accept),
-        Kind::Reject => no_tail(Frame::Reject(parse::<ErrorFrame>(&json)?.error)),
-        Kind::Pages => Ok(Frame::Pages(parse(&json)?, tail)),
-        Kind::Commit => Ok(Frame::Commit(parse(&json)?, tail)),
-        Kind::Ack => no_tail(Frame::Ack),
-        Kind::Nack => no_tail(Frame::Nack(parse::<ErrorFrame>(&json)?.error)),
-        Kind::Event => no_tail(Frame::Event(parse(&json)?)),
-    }
+    let head = read_head(r, max_body).await?;
+    read_rest(r, head).await
 }
 
 #[cfg(test)]
