@@ -151,12 +151,14 @@ fn main() {
             // warm-up
             measure(&http, &cp, 4, 10).await;
             measure(&http, &direct, 4, 10).await;
-            for (conc, per) in [(1usize, 200usize), (16, 25), (64, 8)] {
-                // Interleave rounds so both see the same machine load.
+            for (conc, per) in [(1usize, 600usize), (16, 40), (64, 10)] {
+                // Interleave so both see the same machine load: request by request at
+                // concurrency 1, in rounds above it.
                 let (mut a, mut b) = (Vec::new(), Vec::new());
-                for _ in 0..2 {
-                    b.extend(measure(&http, &direct, conc, per / 2).await);
-                    a.extend(measure(&http, &cp, conc, per / 2).await);
+                let rounds = if conc == 1 { per } else { 4 };
+                for _ in 0..rounds {
+                    b.extend(measure(&http, &direct, conc, per / rounds).await);
+                    a.extend(measure(&http, &cp, conc, per / rounds).await);
                 }
                 a.sort();
                 b.sort();

@@ -3,14 +3,14 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::routing::{delete, get, patch, post};
+use axum::routing::{any, delete, get, patch, post, put};
 use bulkhead_runtime::node::Node;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
 use crate::catalog::Catalog;
 use crate::limits::RateLimiter;
-use crate::routes::{admin, openai, workers_ai};
+use crate::routes::{admin, openai, workers, workers_ai};
 use crate::store::Store;
 
 /// Largest request body a tenant may send.
@@ -25,15 +25,32 @@ pub struct AppState {
     pub safety_factor: f64,
     /// Shared rate limits and catalog fan-out, when Redis is configured.
     pub redis: Option<crate::redis_bus::RedisBus>,
-    /// Remote nodes, kept by their heartbeats.
-    pub nodes: crate::nodes::Registry,
+    /// Remote nodes, kept by their heartbeats (shared across replicas through Redis).
+    pub nodes: Arc<crate::nodes::Registry>,
+    /// Usage counted in memory, written to the store in batches.
+    pub usage: Arc<crate::usage_meter::UsageMeter>,
+    /// Tenants' workers (wasmtime).
+    pub workers: Arc<crate::workers::WorkerHost>,
 }
 
 pub type SharedState = Arc<AppState>;
 
 pub fn router(state: SharedState) -> Router {
     let account = "/client/v4/accounts/{account_id}/ai";
+    let scripts = "/client/v4/accounts/{account_id}/workers/scripts";
     Router::new()
+        .route(scripts, get(workers::list_scripts))
+        .route(
+            &format!("{scripts}/{{name}}"),
+            put(workers::put_script)
+                .get(workers::get_script)
+                .delete(workers::delete_script),
+        )
+        .route("/workers/{account_id}/{name}", any(workers::invoke_by_path))
+        .route(
+            "/workers/{account_id}/{name}/{*rest}",
+            any(workers::invoke_by_path),
+        )
         .route(&format!("{account}/run/{{*model}}"), post(workers_ai::run))
         .route(
             &format!("{account}/models/search"),
@@ -78,9 +95,14 @@ pub fn router(state: SharedState) -> Router {
         )
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(crate::openapi::openapi_json))
-        .with_state(state)
+        .with_state(state.clone())
         // The admin UI, same origin as the admin API it calls.
         .merge(crate::web::router())
+        // `Host: {name}.{account_id}.workers.localhost` goes to that worker, any path.
+        .layer(axum::middleware::from_fn_with_state(
+            state,
+            workers::route_by_host,
+        ))
         // Outermost last: every request gets an id (the client's `x-request-id`, or a new
         // UUID), logged in its span and returned in the response's `x-request-id`.
         .layer(PropagateRequestIdLayer::new(REQUEST_ID.clone()))
@@ -98,5 +120,7 @@ pub fn router(state: SharedState) -> Router {
 static REQUEST_ID: axum::http::HeaderName = axum::http::HeaderName::from_static("x-request-id");
 
 async fn metrics(axum::extract::State(state): axum::extract::State<SharedState>) -> String {
-    state.node.metrics.encode()
+    let node = state.node.metrics.encode();
+    let node = node.strip_suffix("# EOF\n").unwrap_or(&node);
+    format!("{node}{}# EOF\n", state.workers.metrics.encode())
 }

@@ -2,6 +2,8 @@
 //! refreshed whenever the database's catalog version moves. A replica that changes a model
 //! updates its own copy at once; the others see the new version within one poll interval,
 //! which keeps "private means off" within a second on every replica sharing the database.
+//! The same version moves when a token is revoked, so a revocation reaches every replica's
+//! token cache by the same path.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -28,8 +30,10 @@ impl Catalog {
         Ok(c)
     }
 
-    /// Re-read every model and the version from the database.
+    /// Re-read every model and the version from the database. The version also moves when
+    /// a token is revoked, so this replica's cached tokens go with the old catalog.
     pub async fn reload(&self, store: &Store) -> Result<(), crate::store::StoreError> {
+        store.forget_cached_tokens();
         let version = store.catalog_version().await?;
         let models = store.list_models().await?;
         *self.models.write() = models.into_iter().map(|m| (m.name.clone(), m)).collect();

@@ -25,6 +25,8 @@ pub struct ServeConfig {
     pub limits: RateLimits,
     /// The embedded inference node (its `safety_factor` is also the catalog's publish gate).
     pub node: NodeConfig,
+    /// Tenants' workers: limits, defaults and the instance pool.
+    pub workers: crate::workers::WorkersConfig,
 }
 
 impl Default for ServeConfig {
@@ -38,6 +40,7 @@ impl Default for ServeConfig {
             redis_prefix: "bulkhead".into(),
             limits: RateLimits::default(),
             node: NodeConfig::default(),
+            workers: Default::default(),
         }
     }
 }

@@ -311,7 +311,7 @@ async fn embed_remote(
     Err(last.unwrap_or_else(|| ApiError::unavailable("no node available")))
 }
 
-/// Record one request's usage in the background (the response does not wait for it).
+/// Count one request's usage; written to the store in the next batch (`usage_meter`).
 pub fn meter(
     state: &SharedState,
     tenant: &str,
@@ -320,19 +320,5 @@ pub fn meter(
     output: i64,
     error: Option<&str>,
 ) {
-    let state = state.clone();
-    let (tenant, model, error) = (
-        tenant.to_string(),
-        model.to_string(),
-        error.map(str::to_string),
-    );
-    tokio::spawn(async move {
-        if let Err(e) = state
-            .store
-            .record_usage(&tenant, &model, input, output, error.as_deref())
-            .await
-        {
-            tracing::warn!("usage not recorded: {e}");
-        }
-    });
+    state.usage.record(tenant, model, input, output, error);
 }

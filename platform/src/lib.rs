@@ -1,5 +1,5 @@
 //! Bulkhead control plane: tenants, tokens, the model catalog with its visibility toggle and
-//! publish gate, the Workers-AI and OpenAI APIs, usage and audit. See `ARCHITECTURE.md`.
+//! publish gate, the Workers-AI and OpenAI APIs, tenants' workers, usage and audit. See `ARCHITECTURE.md`.
 
 pub mod app;
 pub mod auth;
@@ -14,4 +14,6 @@ pub mod redis_bus;
 pub mod routes;
 pub mod serve;
 pub mod store;
+pub mod usage_meter;
 pub mod web;
+pub mod workers;

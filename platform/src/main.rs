@@ -39,6 +39,25 @@ enum Command {
         #[command(subcommand)]
         command: ModelsCommand,
     },
+    /// Tenants' workers.
+    Worker {
+        #[command(subcommand)]
+        command: WorkerCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum WorkerCommand {
+    /// Compile a JS worker (`export default { async fetch(request, env, ctx) }`) into a
+    /// WebAssembly component with componentize-js, offline. Needs Node.js 20+ and npm; the
+    /// npm packages are installed into workers-js/node_modules on first use.
+    Build {
+        /// The worker's JavaScript module.
+        input: PathBuf,
+        /// Where to write the component.
+        #[arg(short, long)]
+        output: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -130,6 +149,9 @@ fn main() -> std::process::ExitCode {
         Command::Check { config } => check(&config),
         Command::Node(args) => run_node(args),
         Command::Serve(args) => run_serve(args),
+        Command::Worker {
+            command: WorkerCommand::Build { input, output },
+        } => bulkhead_platform::workers::build::build_js(&input, &output),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::http::StatusCode;
 use bulkhead_runtime::engine::{FinishReason, GenEvent, Usage};
@@ -32,18 +32,20 @@ pub struct Heartbeat {
     pub state: NodeState,
 }
 
-#[derive(Debug, Clone)]
+/// A node as the registry knows it: its last heartbeat and when a replica received it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RemoteNode {
     pub id: String,
     pub address: String,
     pub state: NodeState,
-    pub last_seen: Instant,
+    /// Unix ms when a control-plane replica last received its heartbeat (that replica's
+    /// clock; replicas are assumed NTP-synchronised, well within [`STALE_AFTER`]).
     pub last_seen_ms: i64,
 }
 
 impl RemoteNode {
     pub fn healthy(&self) -> bool {
-        self.last_seen.elapsed() < STALE_AFTER
+        now_ms() - self.last_seen_ms < STALE_AFTER.as_millis() as i64
     }
 
     /// Queued plus running sequences of `model` on this node, as last reported.
@@ -61,20 +63,24 @@ impl RemoteNode {
     }
 }
 
+/// How often a replica reads the shared registry from Redis.
+pub const SYNC_EVERY: Duration = Duration::from_millis(500);
+/// A node silent for this long is removed from the shared registry altogether.
+const FORGET_AFTER: Duration = Duration::from_secs(3600);
+
+/// The nodes this replica routes to. A heartbeat reaches one replica; with Redis configured
+/// that replica also writes it to a shared hash, and every replica merges the hash into its
+/// own copy every [`SYNC_EVERY`], so all replicas route to all nodes. Without Redis the
+/// registry is this process's alone.
 pub struct Registry {
     nodes: RwLock<HashMap<String, RemoteNode>>,
     http: reqwest::Client,
+    redis: Option<crate::redis_bus::RedisBus>,
 }
 
 impl Default for Registry {
     fn default() -> Self {
-        Registry {
-            nodes: RwLock::new(HashMap::new()),
-            http: reqwest::Client::builder()
-                .connect_timeout(Duration::from_secs(2))
-                .build()
-                .expect("HTTP client"),
-        }
+        Registry::new(None)
     }
 }
 
@@ -86,21 +92,100 @@ fn now_ms() -> i64 {
 }
 
 impl Registry {
-    /// Record a heartbeat; true when the node was not known before.
-    pub fn heartbeat(&self, hb: Heartbeat) -> bool {
-        let mut nodes = self.nodes.write();
-        let new = !nodes.contains_key(&hb.id);
-        nodes.insert(
-            hb.id.clone(),
-            RemoteNode {
-                id: hb.id,
-                address: hb.address.trim_end_matches('/').to_string(),
-                state: hb.state,
-                last_seen: Instant::now(),
-                last_seen_ms: now_ms(),
-            },
-        );
-        new
+    pub fn new(redis: Option<crate::redis_bus::RedisBus>) -> Self {
+        Registry {
+            nodes: RwLock::new(HashMap::new()),
+            http: reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(2))
+                .build()
+                .expect("HTTP client"),
+            redis,
+        }
+    }
+
+    /// Record a heartbeat (and share it, with Redis); true when the node was not known here
+    /// before.
+    pub async fn heartbeat(&self, hb: Heartbeat) -> bool {
+        let node = RemoteNode {
+            id: hb.id,
+            address: hb.address.trim_end_matches('/').to_string(),
+            state: hb.state,
+            last_seen_ms: now_ms(),
+        };
+        if let Some(redis) = &self.redis {
+            match serde_json::to_string(&node) {
+                Ok(json) => {
+                    if let Err(e) = redis.put_node(&node.id, &json).await {
+                        tracing::warn!(node = %node.id, "heartbeat not shared through Redis: {e}");
+                    }
+                }
+                Err(e) => tracing::warn!("heartbeat not serialisable: {e}"),
+            }
+        }
+        self.nodes.write().insert(node.id.clone(), node).is_none()
+    }
+
+    /// Merge the shared registry into this replica's copy (newest heartbeat wins) and drop
+    /// nodes silent for [`FORGET_AFTER`] from it.
+    pub async fn sync(&self) -> redis::RedisResult<()> {
+        let Some(redis) = &self.redis else {
+            return Ok(());
+        };
+        let shared = redis.nodes().await?;
+        let forget_before = now_ms() - FORGET_AFTER.as_millis() as i64;
+        let mut stale = Vec::new();
+        {
+            let mut nodes = self.nodes.write();
+            for (id, json) in shared {
+                let node: RemoteNode = match serde_json::from_str(&json) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        tracing::warn!(node = %id, "unreadable node in Redis, ignored: {e}");
+                        continue;
+                    }
+                };
+                if node.last_seen_ms < forget_before {
+                    stale.push(id);
+                    continue;
+                }
+                match nodes.get(&id) {
+                    Some(known) if known.last_seen_ms >= node.last_seen_ms => {}
+                    _ => {
+                        nodes.insert(id, node);
+                    }
+                }
+            }
+        }
+        for id in stale {
+            redis.forget_node(&id).await?;
+        }
+        Ok(())
+    }
+
+    /// Keep this replica's copy in step with the shared registry until the process ends.
+    pub fn spawn_sync(self: &Arc<Self>) {
+        if self.redis.is_none() {
+            return;
+        }
+        let registry = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(SYNC_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut failing = false;
+            loop {
+                tick.tick().await;
+                match registry.sync().await {
+                    Ok(()) => failing = false,
+                    Err(e) if !failing => {
+                        failing = true;
+                        tracing::warn!(
+                            "node registry not read from Redis (routing to the nodes this replica heard from): {e}"
+                        );
+                    }
+                    Err(_) => {}
+                }
+            }
+        });
     }
 
     pub fn all(&self) -> Vec<RemoteNode> {

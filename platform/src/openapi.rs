@@ -4,9 +4,10 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi, ToSchema};
 
-use crate::routes::{admin, openai, workers_ai};
+use crate::routes::{admin, openai, workers, workers_ai};
 use crate::store::{
     AuditEntry, CreatedToken, ModelRecord, Scope, Tenant, TokenInfo, UsageRow, Visibility,
+    WorkerInfo,
 };
 
 /// `{result, success, errors, messages}` around every Cloudflare-style response.
@@ -114,10 +115,14 @@ impl Modify for BearerAuth {
         admin::list_nodes,
         admin::list_audit,
         admin::list_usage,
+        workers::put_script,
+        workers::list_scripts,
+        workers::get_script,
+        workers::delete_script,
     ),
     components(schemas(
         ErrorEnvelope, ErrorItem, RunInput, RunResult, Tenant, CreatedToken, TokenInfo, ModelRecord,
-        Visibility, Scope, UsageRow, AuditEntry
+        Visibility, Scope, UsageRow, AuditEntry, WorkerInfo, workers::Deployed
     )),
     modifiers(&BearerAuth),
     security(("bearer" = [])),
@@ -125,6 +130,7 @@ impl Modify for BearerAuth {
         (name = "workers-ai", description = "Workers AI REST API"),
         (name = "openai", description = "OpenAI-compatible API"),
         (name = "admin", description = "Admin API (admin token)"),
+        (name = "workers", description = "Tenants' workers: WebAssembly components run at /workers/{account_id}/{name}/..."),
     )
 )]
 pub struct ApiDoc;

@@ -1,6 +1,7 @@
 //! Redis, when configured (`BULKHEAD_REDIS_URL`): rate-limit counters shared by every replica,
-//! and the catalog-change fan-out (a replica that changes a model publishes; the others reload
-//! at once instead of waiting for their next poll).
+//! the catalog-change fan-out (a replica that changes a model publishes; the others reload
+//! at once instead of waiting for their next poll), and the shared node registry (each
+//! node's latest heartbeat, in one hash).
 
 use std::time::Duration;
 
@@ -44,6 +45,28 @@ impl RedisBus {
             .query_async(&mut conn)
             .await?;
         Ok(count)
+    }
+
+    fn nodes_key(&self) -> String {
+        format!("{}:nodes", self.prefix)
+    }
+
+    /// Store a node's latest heartbeat (JSON) in the shared registry.
+    pub async fn put_node(&self, id: &str, json: &str) -> redis::RedisResult<()> {
+        let mut conn = self.conn.clone();
+        conn.hset(self.nodes_key(), id, json).await
+    }
+
+    /// Every node in the shared registry: id -> latest heartbeat (JSON).
+    pub async fn nodes(&self) -> redis::RedisResult<Vec<(String, String)>> {
+        let mut conn = self.conn.clone();
+        conn.hgetall(self.nodes_key()).await
+    }
+
+    /// Remove a node from the shared registry.
+    pub async fn forget_node(&self, id: &str) -> redis::RedisResult<()> {
+        let mut conn = self.conn.clone();
+        conn.hdel(self.nodes_key(), id).await
     }
 
     /// Tell the other replicas the catalog changed.

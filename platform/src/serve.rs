@@ -1,5 +1,5 @@
 //! `bulkhead serve`: start the embedded node, open the database, seed the catalog with the
-//! models the node serves, and serve the APIs.
+//! models the node serves, start the worker host, and serve the APIs.
 
 use std::sync::Arc;
 
@@ -14,6 +14,7 @@ use crate::inference::{TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
 use crate::limits::RateLimiter;
 use crate::redis_bus::RedisBus;
 use crate::store::{ModelRecord, Store, Visibility};
+use crate::usage_meter::UsageMeter;
 
 /// Largest completion a bundled text model accepts per request.
 const BUNDLED_MAX_OUTPUT_TOKENS: i64 = 2048;
@@ -30,10 +31,9 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
     let node_cfg = cfg.node.clone();
     let node = Arc::new(tokio::task::spawn_blocking(move || Node::start(&node_cfg)).await??);
 
-    if cfg.database_url.is_none() {
-        std::fs::create_dir_all(cfg.data_dir())
-            .with_context(|| format!("creating data dir {}", cfg.data_dir().display()))?;
-    }
+    // The data dir holds the default SQLite database and the workers' precompiled cache.
+    std::fs::create_dir_all(cfg.data_dir())
+        .with_context(|| format!("creating data dir {}", cfg.data_dir().display()))?;
     let url = cfg.database_url();
     let store = Store::connect(&url)
         .await
@@ -63,6 +63,13 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
     if let Some(r) = &redis {
         catalog.follow(store.clone(), r);
     }
+    let nodes = Arc::new(crate::nodes::Registry::new(redis.clone()));
+    nodes.spawn_sync();
+    let usage = Arc::new(UsageMeter::default());
+    usage.spawn_flusher(store.clone());
+    let workers = crate::workers::WorkerHost::new(cfg.workers.clone(), &cfg.data_dir())?;
+    workers.refresh(&store).await?;
+    workers.spawn_refresher(store.clone());
     let state = Arc::new(AppState {
         store,
         catalog,
@@ -70,7 +77,9 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
         node,
         limits: RateLimiter::new(cfg.limits, redis.clone()),
         redis,
-        nodes: Default::default(),
+        nodes,
+        usage,
+        workers,
     });
     Ok((state, generated))
 }
@@ -141,15 +150,20 @@ fn redact(url: &str) -> String {
     }
 }
 
-/// Serve until `shutdown` resolves; in-flight requests drain first.
+/// Serve until `shutdown` resolves; in-flight requests drain first, then the usage they
+/// counted is written.
 pub async fn run(
     state: SharedState,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
+    let served = axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(shutdown)
-        .await
+        .await;
+    if let Err(e) = state.usage.flush(&state.store).await {
+        tracing::error!("usage of the last requests could not be written: {e}");
+    }
+    served
 }
 
 #[cfg(test)]

@@ -9,6 +9,9 @@ use bulkhead_platform::limits::RateLimits;
 use bulkhead_runtime::node::{MINILM_NAME, SMOLLM2_NAME};
 use serde_json::{Value, json};
 
+mod common;
+use common::{REDIS, drop_schema, postgres_schema, rand_suffix};
+
 const TEXT: &str = SMOLLM2_NAME;
 const EMBED: &str = MINILM_NAME;
 
@@ -29,14 +32,6 @@ fn temp_dir(tag: &str) -> PathBuf {
     ));
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-fn rand_suffix() -> u64 {
-    use std::time::{SystemTime, UNIX_EPOCH};
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
 }
 
 fn config(data: &std::path::Path, limits: RateLimits) -> ServeConfig {
@@ -754,38 +749,6 @@ async fn a_restart_loses_nothing() {
     srv.stop().await;
 }
 
-/// A fresh PostgreSQL schema for one test: (url that uses it, admin url to drop it).
-async fn postgres_schema() -> (String, String) {
-    let base = std::env::var("BULKHEAD_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let schema = format!("bh_replicas_{}", rand_suffix());
-    let admin = sqlx::postgres::PgPool::connect(&base)
-        .await
-        .expect("PostgreSQL at 127.0.0.1:5432");
-    // The schema name is ours (a fixed prefix and digits), not input.
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .execute(&admin)
-        .await
-        .unwrap();
-    admin.close().await;
-    let sep = if base.contains('?') { '&' } else { '?' };
-    (
-        format!("{base}{sep}options=-csearch_path%3D{schema}"),
-        format!("{base}#{schema}"),
-    )
-}
-
-async fn drop_schema(admin: &str) {
-    let (base, schema) = admin.split_once('#').unwrap();
-    let pool = sqlx::postgres::PgPool::connect(base).await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .unwrap();
-}
-
-const REDIS: &str = "redis://127.0.0.1:6379";
-
 /// Two replicas on one PostgreSQL schema and one Redis namespace.
 async fn replicas(limits: RateLimits) -> (Vec<Server>, String) {
     let (url, admin_url) = postgres_schema().await;
@@ -877,6 +840,48 @@ async fn two_replicas_sharing_postgres_and_redis_both_take_a_model_offline() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     assert!(back, "the first replica serves it again");
+    for r in replicas {
+        r.stop().await;
+    }
+    drop_schema(&admin_url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_revoked_token_stops_working_on_every_replica_at_once() {
+    // Each replica keeps recently used tokens in memory; a revocation must reach every
+    // replica's cache, not wait for it to expire (60 s).
+    let (replicas, admin_url) = replicas(RateLimits::default()).await;
+    let (a, b) = (&replicas[0], &replicas[1]);
+    let (acct, token_id, tok) = a.tenant("revoked-everywhere").await;
+    let body = json!({"text": "hello"});
+    for r in [a, b, a, b] {
+        let (s, bd, _) = json_of(r.run(&acct, &tok, EMBED, body.clone()).await).await;
+        assert_eq!(s, 200, "{bd}");
+    }
+    let (s, bd) = a
+        .admin_call(
+            reqwest::Method::DELETE,
+            &format!("/admin/v1/tokens/{token_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(s, 200, "{bd}");
+    let revoked = std::time::Instant::now();
+    let (s, bd, _) = json_of(a.run(&acct, &tok, EMBED, body.clone()).await).await;
+    assert_error(s, &bd, 401, 10000);
+    let mut refused = None;
+    for _ in 0..250 {
+        let (s, bd, _) = json_of(b.run(&acct, &tok, EMBED, body.clone()).await).await;
+        if s == 401 {
+            assert_error(s, &bd, 401, 10000);
+            refused = Some(revoked.elapsed());
+            break;
+        }
+        assert_eq!(s, 200, "{bd}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let refused = refused.expect("the other replica must refuse the revoked token");
+    eprintln!("second replica refused the revoked token after {refused:?}");
     for r in replicas {
         r.stop().await;
     }

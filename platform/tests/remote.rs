@@ -9,6 +9,8 @@ use bulkhead_runtime::node::{
 };
 use serde_json::{Value, json};
 
+mod common;
+
 const ADMIN: &str = "remote-admin";
 
 async fn get(http: &reqwest::Client, url: &str) -> Value {
@@ -191,4 +193,162 @@ async fn a_registered_node_is_routed_to_and_its_errors_keep_their_meaning() {
     let (s, b) = run(SMOLLM2_NAME, json!({"prompt": "hi", "max_tokens": 2})).await;
     assert!(s == 502 || s == 503, "{s} {b}");
     assert_eq!(b["success"], false);
+}
+
+/// A control-plane replica on a shared PostgreSQL schema and Redis namespace, whose embedded
+/// node serves nothing. Returns its base URL.
+async fn replica(database_url: &str, redis_prefix: &str, tag: &str) -> String {
+    let data = std::env::temp_dir().join(format!(
+        "bulkhead-remote-{tag}-{}-{}",
+        std::process::id(),
+        common::rand_suffix()
+    ));
+    let mut cfg = ServeConfig {
+        data_dir: Some(data),
+        admin_token: Some(ADMIN.into()),
+        database_url: Some(database_url.into()),
+        redis_url: Some(common::REDIS.into()),
+        redis_prefix: redis_prefix.into(),
+        ..ServeConfig::default()
+    };
+    cfg.node.text_models.clear();
+    cfg.node.embedding_models.clear();
+    let (state, _) = bulkhead_platform::serve::build(&cfg).await.unwrap();
+    let cp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", cp.local_addr().unwrap());
+    tokio::spawn(bulkhead_platform::serve::run(
+        state,
+        cp,
+        std::future::pending(),
+    ));
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_redis_every_replica_routes_to_a_node_that_heartbeats_to_one_of_them() {
+    let (db, admin_db) = common::postgres_schema().await;
+    let prefix = format!("bulkhead-test-nodes-{}", common::rand_suffix());
+    let a = replica(&db, &prefix, "a").await;
+    let b = replica(&db, &prefix, "b").await;
+
+    // A node serving embeddings only, heartbeating to replica A alone.
+    let node_cfg = NodeConfig {
+        text_models: vec![],
+        embedding_models: vec![EmbeddingModelConfig {
+            name: MINILM_NAME.into(),
+            dir: None,
+        }],
+        ..NodeConfig::default()
+    };
+    let node = Arc::new(
+        tokio::task::spawn_blocking(move || Node::start(&node_cfg))
+            .await
+            .unwrap()
+            .unwrap(),
+    );
+    let nl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let node_url = format!("http://{}", nl.local_addr().unwrap());
+    tokio::spawn(bulkhead_runtime::server::serve(
+        node.clone(),
+        nl,
+        std::future::pending(),
+    ));
+    let beats = tokio::spawn(bulkhead_platform::nodes::run_heartbeats(
+        a.clone(),
+        ADMIN.into(),
+        "shared-node".into(),
+        node_url,
+        node,
+    ));
+
+    // Replica B lists it healthy without ever hearing from it.
+    let http = reqwest::Client::new();
+    let listed_healthy = |nodes: &Value, healthy: bool| {
+        nodes["result"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["id"] == "shared-node" && n["healthy"] == healthy)
+    };
+    let mut seen = false;
+    for _ in 0..100 {
+        if listed_healthy(&get(&http, &format!("{b}/admin/v1/nodes")).await, true) {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        seen,
+        "replica B sees the node that registered with replica A"
+    );
+
+    // Publish the node's model on B and embed through B: B routes to the node.
+    let r = http
+        .patch(format!(
+            "{b}/admin/v1/models/{}",
+            MINILM_NAME.replace('/', "%2F")
+        ))
+        .bearer_auth(ADMIN)
+        .json(&json!({"visibility": "public"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let tenant: Value = http
+        .post(format!("{a}/admin/v1/tenants"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"name": "shared"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let acct = tenant["result"]["id"].as_str().unwrap().to_string();
+    let tok: Value = http
+        .post(format!("{a}/admin/v1/tenants/{acct}/tokens"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let token = tok["result"]["token"].as_str().unwrap();
+    let r = http
+        .post(format!(
+            "{b}/client/v4/accounts/{acct}/ai/run/{MINILM_NAME}"
+        ))
+        .bearer_auth(token)
+        .json(&json!({"text": ["hello", "world"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["result"]["shape"], json!([2, 384]), "{body}");
+
+    // Heartbeats stop: every replica takes it out of routing.
+    beats.abort();
+    let mut unhealthy = false;
+    for _ in 0..100 {
+        if listed_healthy(&get(&http, &format!("{b}/admin/v1/nodes")).await, false) {
+            unhealthy = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(unhealthy, "a silent node goes stale on every replica");
+    let r = http
+        .post(format!(
+            "{b}/client/v4/accounts/{acct}/ai/run/{MINILM_NAME}"
+        ))
+        .bearer_auth(token)
+        .json(&json!({"text": "hello"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503, "no healthy node serves it any more");
+    common::drop_schema(&admin_db).await;
 }

@@ -6,7 +6,8 @@ use std::future::Future;
 use std::path::PathBuf;
 
 use bulkhead_platform::store::{
-    AuditFilter, ModelRecord, Scope, Store, StoreError, Visibility, utc_day,
+    AuditFilter, ModelRecord, Scope, Store, StoreError, Visibility, WorkerArtifact, WorkerSettings,
+    utc_day,
 };
 use rand::Rng;
 use serde_json::json;
@@ -838,6 +839,137 @@ async fn restart_loses_nothing(db: Db) -> Db {
         (2, 6, 7)
     );
     assert_eq!(u[0].errors["5021"], 2);
+    db
+}
+
+fn settings(cpu_ms: i64) -> WorkerSettings {
+    WorkerSettings {
+        cpu_ms,
+        memory_mib: 128,
+        wall_ms: 30_000,
+        ai_calls: 16,
+    }
+}
+
+fn artifact(engine: &str, bytes: &[u8]) -> WorkerArtifact {
+    use sha2::Digest;
+    WorkerArtifact {
+        engine: engine.into(),
+        sha256: hex::encode(sha2::Sha256::digest(bytes)),
+        bytes: bytes.to_vec(),
+    }
+}
+
+both!(workers);
+async fn workers(db: Db) -> Db {
+    let store = db.connect().await;
+    assert_eq!(store.workers_version().await.unwrap(), 0);
+    // Binary bytes (NUL, high bytes) survive both backends.
+    let component: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    let a1 = artifact("engine-1", &[0, 1, 2, 255, 0, 9]);
+    let (before, w) = store
+        .put_worker("acct-a", "hello", "sha-1", &component, settings(50), &a1)
+        .await
+        .unwrap();
+    assert_eq!(before, None);
+    assert_eq!((w.tenant_id.as_str(), w.name.as_str()), ("acct-a", "hello"));
+    assert_eq!((w.sha256.as_str(), w.size), ("sha-1", 70_000));
+    assert_eq!(w.settings, settings(50));
+    assert_eq!(store.workers_version().await.unwrap(), 1);
+    assert_eq!(
+        store
+            .worker_component("acct-a", "hello", "sha-1")
+            .await
+            .unwrap(),
+        Some(component.clone())
+    );
+    assert_eq!(
+        store
+            .worker_component("acct-a", "hello", "sha-0")
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(
+        store.worker_artifact("sha-1", "engine-1").await.unwrap(),
+        Some(a1.clone())
+    );
+    assert_eq!(
+        store.worker_artifact("sha-1", "engine-2").await.unwrap(),
+        None
+    );
+
+    // Same name, another tenant: its own worker, sharing the artifact of the same component.
+    store
+        .put_worker("acct-b", "hello", "sha-1", &component, settings(10), &a1)
+        .await
+        .unwrap();
+    assert_eq!(store.worker_artifact_count("sha-1").await.unwrap(), 1);
+    // Another engine's artifact is kept alongside.
+    store
+        .put_worker_artifact("sha-1", &artifact("engine-2", b"other"))
+        .await
+        .unwrap();
+    assert_eq!(store.worker_artifact_count("sha-1").await.unwrap(), 2);
+    // No artifact for a component nothing uses.
+    store
+        .put_worker_artifact("sha-unused", &artifact("engine-1", b"x"))
+        .await
+        .unwrap();
+    assert_eq!(store.worker_artifact_count("sha-unused").await.unwrap(), 0);
+
+    // Replacing returns what was there.
+    let a2 = artifact("engine-1", b"second");
+    let (before, after) = store
+        .put_worker("acct-a", "hello", "sha-2", b"\0asm-2", settings(70), &a2)
+        .await
+        .unwrap();
+    assert_eq!(before.as_ref().map(|b| b.sha256.as_str()), Some("sha-1"));
+    assert_eq!(after.settings.cpu_ms, 70);
+    assert_eq!(after.created_at, w.created_at, "created_at is kept");
+    // acct-b still uses sha-1: its artifacts stay.
+    assert_eq!(store.worker_artifact_count("sha-1").await.unwrap(), 2);
+
+    let all = store.list_workers(None).await.unwrap();
+    let keys: Vec<(&str, &str)> = all
+        .iter()
+        .map(|w| (w.tenant_id.as_str(), w.name.as_str()))
+        .collect();
+    assert_eq!(keys, [("acct-a", "hello"), ("acct-b", "hello")]);
+    assert_eq!(store.list_workers(Some("acct-b")).await.unwrap().len(), 1);
+    assert_eq!(
+        store
+            .get_worker("acct-b", "hello")
+            .await
+            .unwrap()
+            .unwrap()
+            .settings,
+        settings(10)
+    );
+
+    // Deleting the last user of a component drops its artifacts.
+    let removed = store.delete_worker("acct-b", "hello").await.unwrap();
+    assert_eq!(removed.sha256, "sha-1");
+    assert_eq!(store.worker_artifact_count("sha-1").await.unwrap(), 0);
+    assert!(matches!(
+        store.delete_worker("acct-b", "hello").await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert_eq!(store.get_worker("acct-b", "hello").await.unwrap(), None);
+    let version = store.workers_version().await.unwrap();
+    assert_eq!(version, 4, "two deploys, a replace and a delete");
+    let listed = store.list_workers(None).await.unwrap();
+    store.close().await;
+    drop(store);
+
+    // A restart loses nothing.
+    let store = db.connect().await;
+    assert_eq!(store.list_workers(None).await.unwrap(), listed);
+    assert_eq!(store.workers_version().await.unwrap(), version);
+    assert_eq!(
+        store.worker_artifact("sha-2", "engine-1").await.unwrap(),
+        Some(a2)
+    );
     db
 }
 

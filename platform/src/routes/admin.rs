@@ -108,6 +108,9 @@ pub async fn revoke_token(
     if !s.store.revoke_token(&token_id).await? {
         return Err(ApiError::not_found(format!("no active token {token_id}")));
     }
+    // The revocation moved the shared version: tell the other replicas now (Redis) rather
+    // than at their next poll, so that none keeps serving the token from its cache.
+    s.catalog.changed(&s.store, s.redis.as_ref()).await?;
     // The tenant is named so that the audit log filtered by tenant shows the revocation.
     let after = serde_json::json!({"id": token_id, "revoked": true, "tenant": tenant});
     s.store
@@ -448,7 +451,7 @@ pub async fn node_heartbeat(
         }
     }
     let (id, address) = (hb.id.clone(), hb.address.clone());
-    if s.nodes.heartbeat(hb) {
+    if s.nodes.heartbeat(hb).await {
         tracing::info!(node = %id, %address, "node registered");
         let after = serde_json::json!({"id": id, "address": address});
         s.store

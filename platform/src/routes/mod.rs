@@ -2,6 +2,7 @@
 
 pub mod admin;
 pub mod openai;
+pub mod workers;
 pub mod workers_ai;
 
 use axum::body::Body;

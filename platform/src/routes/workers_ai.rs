@@ -159,27 +159,60 @@ pub async fn run(
 ) -> Result<Response, ApiError> {
     let principal = auth::tenant_for_account(&state.store, &headers, &account_id).await?;
     let tenant = principal.tenant_id;
-    let model = inference::resolve_model(&state, &tenant, &model)?;
+    let (model, output, limit_headers) = run_model(&state, &tenant, &model, body).await?;
+    let mut resp = match output {
+        RunOutput::Json(result) => ok(result),
+        RunOutput::Stream(started) => {
+            let frames = sse_frames(state, tenant, model.name, started)
+                .map(|f| Ok::<_, Infallible>(f.into_event()));
+            Sse::new(frames).into_response()
+        }
+    };
+    resp.headers_mut().extend(limit_headers);
+    Ok(resp)
+}
+
+/// What a model run produced.
+pub enum RunOutput {
+    /// The `result` of the envelope: text generation `{response, tool_calls, usage}`,
+    /// embeddings `{shape, data, pooling}`.
+    Json(serde_json::Value),
+    /// A generation with `stream: true` that has produced its first token (its status is
+    /// settled); see [`sse_frames`].
+    Stream(StartedText),
+}
+
+/// One model run as `tenant`, from the REST body of `ai/run/{model}` to its output: the
+/// visibility rule, the rate limit, input checks, admission and usage metering. The REST
+/// API and workers' `AI.run` binding both come through here, so their rules are the same.
+/// Also returns the `x-ratelimit-*` headers.
+pub async fn run_model(
+    state: &SharedState,
+    tenant: &str,
+    model: &str,
+    body: Body,
+) -> Result<(ModelRecord, RunOutput, HeaderMap), ApiError> {
+    let model = inference::resolve_model(state, tenant, model)?;
     match model.task.as_str() {
         TASK_TEXT_GENERATION => {
-            let limit_headers =
-                inference::rate_limit(&state, &tenant, Task::TextGeneration).await?;
+            let limit_headers = inference::rate_limit(state, tenant, Task::TextGeneration).await?;
             let input: TextGenerationInput = read_json(body).await?;
             let stream = input.stream;
             let (prompt, params) = input.into_request(&model)?;
-            let started = inference::start_text(&state, &tenant, &model, prompt, params).await?;
-            let mut resp = if stream {
-                sse(state, tenant, model.name.clone(), started).into_response()
+            let started = inference::start_text(state, tenant, &model, prompt, params).await?;
+            let output = if stream {
+                RunOutput::Stream(started)
             } else {
                 let (response, usage, _) =
-                    inference::collect_text(&state, &tenant, &model.name, started).await?;
-                ok(serde_json::json!({ "response": response, "tool_calls": [], "usage": usage }))
+                    inference::collect_text(state, tenant, &model.name, started).await?;
+                RunOutput::Json(
+                    serde_json::json!({ "response": response, "tool_calls": [], "usage": usage }),
+                )
             };
-            resp.headers_mut().extend(limit_headers);
-            Ok(resp)
+            Ok((model, output, limit_headers))
         }
         TASK_TEXT_EMBEDDINGS => {
-            let limit_headers = inference::rate_limit(&state, &tenant, Task::Embeddings).await?;
+            let limit_headers = inference::rate_limit(state, tenant, Task::Embeddings).await?;
             let input: EmbeddingsInput = read_json(body).await?;
             if let Some(p) = input.pooling.as_deref()
                 && p != "mean"
@@ -189,13 +222,11 @@ pub async fn run(
                 )));
             }
             let texts = input.text.into_vec();
-            let (data, _) = inference::embed(&state, &tenant, &model, texts).await?;
+            let (data, _) = inference::embed(state, tenant, &model, texts).await?;
             let dims = data.first().map_or(0, Vec::len);
-            let mut resp = ok(
-                serde_json::json!({ "shape": [data.len(), dims], "data": data, "pooling": "mean" }),
-            );
-            resp.headers_mut().extend(limit_headers);
-            Ok(resp)
+            let result =
+                serde_json::json!({ "shape": [data.len(), dims], "data": data, "pooling": "mean" });
+            Ok((model, RunOutput::Json(result), limit_headers))
         }
         other => Err(ApiError::internal(format!(
             "model {} has unknown task {other}",
@@ -204,39 +235,85 @@ pub async fn run(
     }
 }
 
+/// One server-sent event of a streamed generation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SseFrame {
+    /// `data: {...}`: a piece of text, the final usage, or `[DONE]`.
+    Data(String),
+    /// `event: error` with `data: {"errors": [...]}`.
+    Error(String),
+}
+
+impl SseFrame {
+    pub fn into_event(self) -> Event {
+        match self {
+            SseFrame::Data(d) => Event::default().data(d),
+            SseFrame::Error(d) => Event::default().event("error").data(d),
+        }
+    }
+
+    /// The frame's bytes on the wire, exactly as the REST API's SSE response writes them.
+    pub fn to_bytes(&self) -> bytes::Bytes {
+        match self {
+            SseFrame::Data(d) => format!("data: {d}\n\n").into(),
+            SseFrame::Error(d) => format!("event: error\ndata: {d}\n\n").into(),
+        }
+    }
+}
+
 /// Workers AI SSE: `data: {"response": "...", "p": "..."}` per piece, a final frame with
 /// `usage`, then `data: [DONE]`. An error after the first token ends the stream with an
-/// `error` event and no `[DONE]`.
-fn sse(state: SharedState, tenant: String, model: String, started: StartedText) -> Response {
+/// `error` event and no `[DONE]`. Usage is metered when the stream ends.
+pub fn sse_frames(
+    state: SharedState,
+    tenant: String,
+    model: String,
+    started: StartedText,
+) -> impl futures::Stream<Item = SseFrame> + Send + 'static {
     let prompt_tokens = started.prompt_tokens;
     let events =
         futures::stream::iter(started.first).chain(UnboundedReceiverStream::new(started.rest));
-    let frames = events.flat_map(move |ev| {
-        let out: Vec<Event> = match ev {
+    events.flat_map(move |ev| {
+        let out: Vec<SseFrame> = match ev {
             GenEvent::Admitted { .. } | GenEvent::Prefilled(_) => vec![],
-            GenEvent::Token { text } => vec![Event::default().data(
+            GenEvent::Token { text } => vec![SseFrame::Data(
                 serde_json::json!({ "response": text, "p": padding() }).to_string(),
             )],
             GenEvent::Done { usage, .. } => {
-                inference::meter(&state, &tenant, &model, usage.prompt_tokens as i64, usage.completion_tokens as i64, None);
+                inference::meter(
+                    &state,
+                    &tenant,
+                    &model,
+                    usage.prompt_tokens as i64,
+                    usage.completion_tokens as i64,
+                    None,
+                );
                 vec![
-                    Event::default().data(
-                        serde_json::json!({ "response": "", "usage": usage, "p": padding() }).to_string(),
+                    SseFrame::Data(
+                        serde_json::json!({ "response": "", "usage": usage, "p": padding() })
+                            .to_string(),
                     ),
-                    Event::default().data("[DONE]"),
+                    SseFrame::Data("[DONE]".into()),
                 ]
             }
             GenEvent::Error(e) => {
-                inference::meter(&state, &tenant, &model, prompt_tokens as i64, 0, Some(e.code()));
+                inference::meter(
+                    &state,
+                    &tenant,
+                    &model,
+                    prompt_tokens as i64,
+                    0,
+                    Some(e.code()),
+                );
                 let err = ApiError::from(e);
-                vec![Event::default().event("error").data(
-                    serde_json::json!({ "errors": [{ "code": err.code, "message": err.message }] }).to_string(),
+                vec![SseFrame::Error(
+                    serde_json::json!({ "errors": [{ "code": err.code, "message": err.message }] })
+                        .to_string(),
                 )]
             }
         };
-        futures::stream::iter(out.into_iter().map(Ok::<_, Infallible>))
-    });
-    Sse::new(frames).into_response()
+        futures::stream::iter(out)
+    })
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]

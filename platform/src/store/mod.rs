@@ -1,5 +1,5 @@
-//! Persistent storage of the control plane: tenants, API tokens, the model catalog, usage and
-//! the audit log (DESIGN.md invariant 6, "Nothing lost").
+//! Persistent storage of the control plane: tenants, API tokens, the model catalog, tenants'
+//! workers, usage and the audit log (DESIGN.md invariant 6, "Nothing lost").
 //!
 //! One code path serves SQLite and PostgreSQL through [`sqlx::AnyPool`]: queries use `$N`
 //! placeholders (both backends accept them), timestamps are `BIGINT` unix milliseconds, enums
@@ -9,8 +9,15 @@
 mod audit;
 mod models;
 mod tenants;
+mod token_cache;
 mod tokens;
 mod usage;
+mod workers;
+
+pub use workers::{WorkerArtifact, WorkerInfo, WorkerSettings};
+
+pub use token_cache::TOKEN_CACHE_TTL;
+pub use usage::{UsageCounts, UsageKey};
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -202,26 +209,39 @@ enum Backend {
 pub struct Store {
     pool: AnyPool,
     backend: Backend,
+    /// Recently authenticated tokens (shared by clones of this handle).
+    tokens: std::sync::Arc<token_cache::TokenCache>,
 }
 
 const SQLITE_INIT: &str = include_str!("../../../migrations/sqlite/0001_init.sql");
 const POSTGRES_INIT: &str = include_str!("../../../migrations/postgres/0001_init.sql");
+const SQLITE_WORKERS: &str = include_str!("../../../migrations/sqlite/0002_workers.sql");
+const POSTGRES_WORKERS: &str = include_str!("../../../migrations/postgres/0002_workers.sql");
 
 /// The embedded migrations of one backend (what `sqlx::migrate!` would build; built by hand
 /// because the workspace does not enable sqlx's `macros` feature). Checksums are the same as
 /// the macro's, so switching to it later is seamless.
 fn migrator(backend: Backend) -> Migrator {
-    let sql = match backend {
-        Backend::Sqlite => SQLITE_INIT,
-        Backend::Postgres => POSTGRES_INIT,
+    let (init, workers) = match backend {
+        Backend::Sqlite => (SQLITE_INIT, SQLITE_WORKERS),
+        Backend::Postgres => (POSTGRES_INIT, POSTGRES_WORKERS),
     };
-    Migrator::with_migrations(vec![Migration::new(
-        1,
-        Cow::Borrowed("init"),
-        MigrationType::Simple,
-        sql.into_sql_str(),
-        false,
-    )])
+    Migrator::with_migrations(vec![
+        Migration::new(
+            1,
+            Cow::Borrowed("init"),
+            MigrationType::Simple,
+            init.into_sql_str(),
+            false,
+        ),
+        Migration::new(
+            2,
+            Cow::Borrowed("workers"),
+            MigrationType::Simple,
+            workers.into_sql_str(),
+            false,
+        ),
+    ])
 }
 
 impl Store {
@@ -253,7 +273,11 @@ impl Store {
                 .await?;
         }
         migrator(backend).run(&pool).await?;
-        Ok(Store { pool, backend })
+        Ok(Store {
+            pool,
+            backend,
+            tokens: Default::default(),
+        })
     }
 
     /// `"sqlite"` or `"postgres"`.

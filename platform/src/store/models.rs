@@ -1,5 +1,6 @@
 //! The model catalog. Every insert or update bumps `catalog_meta.version` in the same
-//! transaction, so replicas detect a change by polling [`Store::catalog_version`].
+//! transaction, so replicas detect a change by polling [`Store::catalog_version`] (token
+//! revocations bump it too: replicas drop their cached tokens when it moves).
 //!
 //! Write transactions start with a write statement: on SQLite that takes the write lock up
 //! front (no read-to-write upgrade that could fail with `SQLITE_BUSY`), on PostgreSQL it locks
@@ -52,7 +53,7 @@ fn descriptive_differs(a: &ModelRecord, b: &ModelRecord) -> bool {
         || a.properties != b.properties
 }
 
-async fn bump_version(tx: &mut Transaction<'_, Any>) -> Result<(), StoreError> {
+pub(super) async fn bump_version(tx: &mut Transaction<'_, Any>) -> Result<(), StoreError> {
     sqlx::query("UPDATE catalog_meta SET version = version + 1 WHERE id = 1")
         .execute(&mut **tx)
         .await?;
@@ -256,7 +257,7 @@ impl Store {
         Ok((before, after))
     }
 
-    /// A counter bumped by every model insert and update.
+    /// A counter bumped by every model insert and update and every token revocation.
     pub async fn catalog_version(&self) -> Result<i64, StoreError> {
         let v: i64 = sqlx::query_scalar("SELECT version FROM catalog_meta WHERE id = 1")
             .fetch_one(&self.pool)

@@ -134,12 +134,17 @@ impl Store {
         Ok(n > 0)
     }
 
-    /// The principal of an unrevoked token with this secret, if any.
+    /// The principal of an unrevoked token with this secret, if any. Answers from this
+    /// replica's token cache when it can (see `token_cache`).
     pub async fn authenticate(&self, secret: &str) -> Result<Option<Principal>, StoreError> {
         if secret.is_empty() {
             return Ok(None);
         }
         let hash = hash_secret(secret);
+        if let Some(p) = self.tokens.get(&hash) {
+            return Ok(Some(p));
+        }
+        let generation = self.tokens.generation();
         let row = sqlx::query(
             "SELECT id, tenant_id, scope, token_hash FROM api_tokens \
              WHERE token_hash = $1 AND revoked_at IS NULL",
@@ -152,23 +157,40 @@ impl Store {
         if !bool::from(stored.as_bytes().ct_eq(hash.as_bytes())) {
             return Ok(None);
         }
-        Ok(Some(Principal {
+        let principal = Principal {
             token_id: get(&row, "id")?,
             tenant_id: get(&row, "tenant_id")?,
             scope: Scope::parse(&get::<String>(&row, "scope")?)?,
-        }))
+        };
+        self.tokens.insert(generation, hash, principal.clone());
+        Ok(Some(principal))
     }
 
-    /// Revokes a token; `false` if it is unknown or already revoked.
+    /// Revokes a token; `false` if it is unknown or already revoked. The shared state version
+    /// moves with it, so every replica drops its cached tokens; this one does so at once.
     pub async fn revoke_token(&self, token_id: &str) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin().await?;
         let res = sqlx::query(
             "UPDATE api_tokens SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL",
         )
         .bind(now_ms())
         .bind(token_id)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
-        Ok(res.rows_affected() > 0)
+        let revoked = res.rows_affected() > 0;
+        if revoked {
+            super::models::bump_version(&mut tx).await?;
+        }
+        tx.commit().await?;
+        if revoked {
+            self.tokens.clear();
+        }
+        Ok(revoked)
+    }
+
+    /// Drop this replica's cached tokens (the state version moved: a token may be revoked).
+    pub fn forget_cached_tokens(&self) {
+        self.tokens.clear();
     }
 
     /// The tokens of a tenant (`""`: the admin tokens), oldest first, revoked ones included.

@@ -4,6 +4,36 @@ use std::collections::BTreeMap;
 
 use super::{Store, StoreError, UsageRow, get, now_ms, utc_day};
 
+/// One usage row's identity: tenant, model and UTC day (`YYYY-MM-DD`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct UsageKey {
+    pub tenant_id: String,
+    pub model: String,
+    pub day: String,
+}
+
+/// Counts to add to a usage row.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UsageCounts {
+    pub requests: i64,
+    pub input_tokens: i64,
+    pub output_tokens: i64,
+    /// Error code -> count.
+    pub errors: BTreeMap<String, i64>,
+}
+
+impl UsageCounts {
+    /// Fold `other` into these counts.
+    pub fn add(&mut self, other: &UsageCounts) {
+        self.requests += other.requests;
+        self.input_tokens += other.input_tokens;
+        self.output_tokens += other.output_tokens;
+        for (code, n) in &other.errors {
+            *self.errors.entry(code.clone()).or_default() += n;
+        }
+    }
+}
+
 fn valid_day(day: &str) -> bool {
     let b = day.as_bytes();
     b.len() == 10
@@ -47,41 +77,64 @@ impl Store {
         output_tokens: i64,
         error_code: Option<&str>,
     ) -> Result<(), StoreError> {
-        if !valid_day(day) {
+        let mut counts = UsageCounts {
+            requests: 1,
+            input_tokens,
+            output_tokens,
+            errors: BTreeMap::new(),
+        };
+        if let Some(code) = error_code {
+            counts.errors.insert(code.to_string(), 1);
+        }
+        let key = UsageKey {
+            tenant_id: tenant_id.to_string(),
+            model: model.to_string(),
+            day: day.to_string(),
+        };
+        self.add_usage(&[(key, counts)]).await
+    }
+
+    /// Add counts to many (tenant, model, day) rows in one transaction: all or nothing.
+    pub async fn add_usage(&self, batch: &[(UsageKey, UsageCounts)]) -> Result<(), StoreError> {
+        if let Some((k, _)) = batch.iter().find(|(k, _)| !valid_day(&k.day)) {
             return Err(StoreError::Other(format!(
-                "bad day {day:?}, want YYYY-MM-DD"
+                "bad day {:?}, want YYYY-MM-DD",
+                k.day
             )));
         }
-        let (input_tokens, output_tokens) = (input_tokens.max(0), output_tokens.max(0));
         let mut tx = self.pool.begin().await?;
-        sqlx::query(
-            "INSERT INTO usage_daily (tenant_id, model, day, requests, input_tokens, output_tokens) \
-             VALUES ($1, $2, $3, 1, $4, $5) \
-             ON CONFLICT (tenant_id, model, day) DO UPDATE SET \
-             requests = usage_daily.requests + 1, \
-             input_tokens = usage_daily.input_tokens + excluded.input_tokens, \
-             output_tokens = usage_daily.output_tokens + excluded.output_tokens",
-        )
-        .bind(tenant_id)
-        .bind(model)
-        .bind(day)
-        .bind(input_tokens)
-        .bind(output_tokens)
-        .execute(&mut *tx)
-        .await?;
-        if let Some(code) = error_code {
+        for (k, c) in batch {
             sqlx::query(
-                "INSERT INTO usage_errors (tenant_id, model, day, code, count) \
-                 VALUES ($1, $2, $3, $4, 1) \
-                 ON CONFLICT (tenant_id, model, day, code) DO UPDATE SET \
-                 count = usage_errors.count + 1",
+                "INSERT INTO usage_daily (tenant_id, model, day, requests, input_tokens, output_tokens) \
+                 VALUES ($1, $2, $3, $4, $5, $6) \
+                 ON CONFLICT (tenant_id, model, day) DO UPDATE SET \
+                 requests = usage_daily.requests + excluded.requests, \
+                 input_tokens = usage_daily.input_tokens + excluded.input_tokens, \
+                 output_tokens = usage_daily.output_tokens + excluded.output_tokens",
             )
-            .bind(tenant_id)
-            .bind(model)
-            .bind(day)
-            .bind(code)
+            .bind(&k.tenant_id)
+            .bind(&k.model)
+            .bind(&k.day)
+            .bind(c.requests.max(0))
+            .bind(c.input_tokens.max(0))
+            .bind(c.output_tokens.max(0))
             .execute(&mut *tx)
             .await?;
+            for (code, n) in &c.errors {
+                sqlx::query(
+                    "INSERT INTO usage_errors (tenant_id, model, day, code, count) \
+                     VALUES ($1, $2, $3, $4, $5) \
+                     ON CONFLICT (tenant_id, model, day, code) DO UPDATE SET \
+                     count = usage_errors.count + excluded.count",
+                )
+                .bind(&k.tenant_id)
+                .bind(&k.model)
+                .bind(&k.day)
+                .bind(code)
+                .bind(*n)
+                .execute(&mut *tx)
+                .await?;
+            }
         }
         tx.commit().await?;
         Ok(())

@@ -1,0 +1,78 @@
+// The end-to-end test worker (and the benchmark's): a Cloudflare-style module whose routes
+// exercise env.AI.run through the real binding. Built with `bulkhead worker build`.
+const TEXT = "@cf/huggingfacetb/smollm2-135m-instruct";
+const EMBED = "@cf/sentence-transformers/all-minilm-l6-v2";
+
+export default {
+  async fetch(request, env, ctx) {
+    const url = new URL(request.url);
+    switch (url.pathname) {
+      case "/echo":
+        return new Response("ok");
+      case "/text":
+        return Response.json(
+          await env.AI.run(TEXT, {
+            prompt: "What is the capital of France?",
+            temperature: 0,
+            max_tokens: 32,
+          }),
+        );
+      case "/embed":
+        return Response.json(await env.AI.run(EMBED, { text: ["hello", "world"] }));
+      case "/embed-one":
+        return Response.json(await env.AI.run(EMBED, { text: url.searchParams.get("q") ?? "hi" }));
+      case "/stream": {
+        const stream = await env.AI.run(TEXT, {
+          prompt: "Name three colours.",
+          temperature: 0,
+          max_tokens: 16,
+          stream: true,
+        });
+        return new Response(stream, { headers: { "content-type": "text/event-stream" } });
+      }
+      case "/oversized":
+        try {
+          await env.AI.run(TEXT, { prompt: "word ".repeat(2000), max_tokens: 8 });
+          return new Response("the oversized prompt was accepted", { status: 500 });
+        } catch (e) {
+          return Response.json(
+            { caught: e.message, name: e.name, code: e.code, status: e.status },
+            { status: 422 },
+          );
+        }
+      case "/raw":
+        return env.AI.run("@cf/no/such-model", { prompt: "x" }, { returnRawResponse: true });
+      case "/bad-option":
+        try {
+          await env.AI.run(EMBED, { text: "x" }, { gateway: { id: "g" } });
+          return new Response("the option was ignored", { status: 500 });
+        } catch (e) {
+          return new Response(e.message, { status: 400 });
+        }
+      case "/fetch":
+        try {
+          const r = await fetch(request.headers.get("x-target"));
+          return new Response(`fetched ${r.status}`, { status: 500 });
+        } catch (e) {
+          return new Response(`denied: ${e}`, { status: 403 });
+        }
+      case "/ambient":
+        return Response.json({
+          env: Object.keys(env),
+          process: typeof process,
+          fs: (() => {
+            try {
+              require("fs");
+              return "loaded";
+            } catch {
+              return "unavailable";
+            }
+          })(),
+        });
+      case "/throw":
+        throw new Error("boom");
+      default:
+        return new Response("not found", { status: 404 });
+    }
+  },
+};

@@ -1,0 +1,247 @@
+//! One request's sandbox: the store data of a worker instance, its resource limiter, and the
+//! clock of guest execution time that the epoch callback checks against the CPU limit.
+//!
+//! The guest gets no preopened directories, no environment variables, no arguments, no
+//! inherited stdio (its stdout/stderr go to a bounded buffer that is logged), no sockets
+//! (wasmtime-wasi's default context allows no address and no name lookup) and no outgoing
+//! HTTP (`send_request` is denied). Clocks and randomness are allowed.
+
+use std::time::{Duration, Instant};
+
+use wasmtime::component::ResourceTable;
+use wasmtime::{CallHook, ResourceLimiter, StoreContextMut, UpdateDeadline};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView};
+
+use super::ai::AiCtx;
+
+/// Which sandbox limit stopped a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    Cpu,
+    Wall,
+    Memory,
+}
+
+impl std::fmt::Display for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Limit::Cpu => "CPU time limit exceeded",
+            Limit::Wall => "wall-clock time limit exceeded",
+            Limit::Memory => "memory limit exceeded",
+        })
+    }
+}
+
+impl std::error::Error for Limit {}
+
+/// Bytes of a guest's stdout and stderr kept for the log, each.
+const OUTPUT_CAPTURE_BYTES: usize = 16 << 10;
+
+/// Largest table a guest may grow to (SpiderMonkey's function table is a few thousand).
+const MAX_TABLE_ELEMENTS: usize = 1 << 20;
+
+/// Guest execution time: wall time spent in WebAssembly, host calls excluded (a call to
+/// `AI.run` or a wait on a timer or stream does not count).
+#[derive(Debug)]
+pub struct GuestClock {
+    since: Option<Instant>,
+    used: Duration,
+    pub limit: Duration,
+}
+
+impl GuestClock {
+    fn new(limit: Duration) -> Self {
+        GuestClock {
+            since: None,
+            used: Duration::ZERO,
+            limit,
+        }
+    }
+
+    pub fn used(&self) -> Duration {
+        self.used + self.since.map_or(Duration::ZERO, |s| s.elapsed())
+    }
+
+    fn enter_guest(&mut self) {
+        if self.since.is_none() {
+            self.since = Some(Instant::now());
+        }
+    }
+
+    fn leave_guest(&mut self) {
+        if let Some(s) = self.since.take() {
+            self.used += s.elapsed();
+        }
+    }
+}
+
+/// A deny-everything `wasi:http` hook set: no outgoing requests.
+pub struct DenyOutgoing;
+
+impl WasiHttpHooks for DenyOutgoing {
+    fn send_request(
+        &mut self,
+        _request: http::Request<wasmtime_wasi_http::WasiBody>,
+        _options: Option<wasmtime_wasi_http::RequestOptions>,
+        _fut: Box<dyn Future<Output = Result<(), wasmtime_wasi_http::Error>> + Send>,
+    ) -> Box<
+        dyn Future<
+                Output = Result<
+                    (
+                        http::Response<wasmtime_wasi_http::WasiBody>,
+                        Box<dyn Future<Output = Result<(), wasmtime_wasi_http::Error>> + Send>,
+                    ),
+                    wasmtime_wasi_http::Error,
+                >,
+            > + Send,
+    > {
+        Box::new(async { Err(wasmtime_wasi_http::Error::HttpRequestDenied) })
+    }
+}
+
+/// The `T` of a worker's `Store<T>`.
+pub struct WorkerState {
+    wasi: WasiCtx,
+    http: WasiHttpCtx,
+    hooks: DenyOutgoing,
+    table: ResourceTable,
+    pub ai: AiCtx,
+    pub clock: GuestClock,
+    memory_limit: usize,
+    /// The first limit the request ran into, if any.
+    pub limit_hit: Option<Limit>,
+    stdout: MemoryOutputPipe,
+    stderr: MemoryOutputPipe,
+}
+
+impl WorkerState {
+    pub fn new(ai: AiCtx, cpu: Duration, memory_limit: usize) -> Self {
+        let stdout = MemoryOutputPipe::new(OUTPUT_CAPTURE_BYTES);
+        let stderr = MemoryOutputPipe::new(OUTPUT_CAPTURE_BYTES);
+        let wasi = WasiCtx::builder()
+            .stdout(stdout.clone())
+            .stderr(stderr.clone())
+            .build();
+        WorkerState {
+            wasi,
+            http: WasiHttpCtx::new(),
+            hooks: DenyOutgoing,
+            table: ResourceTable::new(),
+            ai,
+            clock: GuestClock::new(cpu),
+            memory_limit,
+            limit_hit: None,
+            stdout,
+            stderr,
+        }
+    }
+
+    /// What the guest wrote to stdout and stderr (bounded), for the log.
+    pub fn output(&self) -> (String, String) {
+        let s = |p: &MemoryOutputPipe| String::from_utf8_lossy(&p.contents()).into_owned();
+        (s(&self.stdout), s(&self.stderr))
+    }
+
+    fn hit(&mut self, l: Limit) -> wasmtime::Error {
+        self.limit_hit.get_or_insert(l);
+        wasmtime::Error::new(l)
+    }
+}
+
+impl WasiView for WorkerState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl WasiHttpView for WorkerState {
+    fn http(&mut self) -> WasiHttpCtxView<'_> {
+        WasiHttpCtxView {
+            ctx: &mut self.http,
+            table: &mut self.table,
+            hooks: &mut self.hooks,
+        }
+    }
+}
+
+impl WorkerState {
+    pub fn table(&mut self) -> &mut ResourceTable {
+        &mut self.table
+    }
+}
+
+impl ResourceLimiter for WorkerState {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.memory_limit {
+            // A trap, not a failed `memory.grow`: the request ends at once with its own
+            // error instead of leaving the guest to limp on without memory.
+            return Err(self.hit(Limit::Memory));
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > MAX_TABLE_ELEMENTS {
+            return Err(self.hit(Limit::Memory));
+        }
+        Ok(true)
+    }
+
+    fn instances(&self) -> usize {
+        64
+    }
+
+    fn memories(&self) -> usize {
+        16
+    }
+
+    fn tables(&self) -> usize {
+        64
+    }
+}
+
+/// Keeps the guest clock: in WebAssembly from a call into it (or a return from a host call)
+/// until it returns (or calls the host).
+pub fn call_hook(
+    mut store: StoreContextMut<'_, WorkerState>,
+    hook: CallHook,
+) -> wasmtime::Result<()> {
+    let clock = &mut store.data_mut().clock;
+    match hook {
+        CallHook::CallingWasm | CallHook::ReturningFromHost => clock.enter_guest(),
+        CallHook::ReturningFromWasm | CallHook::CallingHost => clock.leave_guest(),
+    }
+    Ok(())
+}
+
+/// Runs at every epoch deadline while the guest executes: a trap once its execution time is
+/// over the limit, otherwise a yield to the executor (so a busy guest never holds a thread)
+/// and a new deadline at about when the limit would be reached.
+pub fn epoch_deadline(
+    mut store: StoreContextMut<'_, WorkerState>,
+    tick: Duration,
+) -> wasmtime::Result<UpdateDeadline> {
+    let state = store.data_mut();
+    let used = state.clock.used();
+    if used >= state.clock.limit {
+        return Err(state.hit(Limit::Cpu));
+    }
+    let left = state.clock.limit - used;
+    let ticks = (left.as_nanos() / tick.as_nanos().max(1)).clamp(1, 10) as u64;
+    Ok(UpdateDeadline::Yield(ticks))
+}
