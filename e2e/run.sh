@@ -9,8 +9,9 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 "$venv/bin/pip" install -q --disable-pip-version-check -r e2e/requirements.txt
-# Builds (and embeds) the admin UI too, installing web/node_modules on first use.
-cargo build --quiet --bin bulkhead
+# Builds (and embeds) the admin UI too, installing web/node_modules on first use. All
+# targets, like test.sh, so the dependencies keep one feature set and are built only once.
+cargo build --quiet --workspace --all-targets
 export BULKHEAD_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/bulkhead"
 "$venv/bin/python" -m pytest -q e2e/sdk e2e/incident e2e/workers
 
