@@ -3,8 +3,11 @@
 //!
 //! Per block the math is that of ggml's `vec_dot_q4_1_q8_1` / `vec_dot_q8_0_q8_0`:
 //! `sum_j (dw*qw_j + mw) * da*qa_j = dw*da * sum_j qw_j*qa_j + mw * sa`, the integer sum
-//! exact. The AVX2 path (compile-time `avx2` + `fma`) and the scalar path compute the same
-//! per-block terms; only the order of the float additions differs.
+//! exact. The float steps follow candle's kernels (the reference forward's) operation by
+//! operation, so the results are bit-identical to them: Q4_1 as its generic
+//! `vec_dot_q4_1_q8_1` (scalar float order, here one SIMD lane per weight row), Q8_0 as
+//! its AVX2 `vec_dot_q8_0_q8_0` (8-lane fused multiply-add, then a horizontal sum). Without
+//! AVX2 the scalar path is used (candle's generic order for both).
 
 use super::blocks::{BlockQ4_1, BlockQ8_0, BlockQ8_1, QK};
 
@@ -37,7 +40,7 @@ pub fn tile_q4_1_scalar<const R: usize, const C: usize>(
         for c in 0..C {
             let mut sum = 0f32;
             for (wb, ab) in w[c].iter().zip(a[r]) {
-                sum += isum_q4_1(wb, ab) as f32 * (wb.d * ab.d) + wb.m * ab.s;
+                sum += isum_q4_1(wb, ab) as f32 * wb.d * ab.d + wb.m * ab.s;
             }
             out[r][c] = sum;
         }
@@ -54,7 +57,7 @@ pub fn tile_q8_0_scalar<const R: usize, const C: usize>(
         for c in 0..C {
             let mut sum = 0f32;
             for (wb, ab) in w[c].iter().zip(a[r]) {
-                sum += isum_q8_0(wb, ab) as f32 * (wb.d * ab.d);
+                sum += isum_q8_0(wb, ab) as f32 * wb.d * ab.d;
             }
             out[r][c] = sum;
         }
@@ -106,35 +109,49 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    /// The four i32 lane sums of `v[0..4]` (exact), as one vector.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn hsum4_epi32(v: &[__m256i; 4]) -> __m128i {
+        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))
+    }
+
+    /// Q4_1 tile of 4 weight rows. The integer block sums come from SIMD (exact); the float
+    /// terms are added in the reference's order (`sum += isum * dw * da + mw * sa`, block after
+    /// block, no fused multiply-add), one lane per weight row, so results are bit-identical
+    /// to the scalar path and to ggml's/candle's generic `vec_dot_q4_1_q8_1`.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub fn tile_q4_1<const R: usize, const C: usize>(
+    pub fn tile_q4_1<const R: usize>(
         a: &[&[BlockQ8_1]; R],
-        w: &[&[BlockQ4_1]; C],
-        out: &mut [[f32; C]; R],
+        w: &[&[BlockQ4_1]; 4],
+        out: &mut [[f32; 4]; R],
     ) {
         let nb = a[0].len();
         let a: [&[BlockQ8_1]; R] = std::array::from_fn(|r| &a[r][..nb]);
-        let w: [&[BlockQ4_1]; C] = std::array::from_fn(|c| &w[c][..nb]);
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
-        let mut summ = [[0f32; C]; R];
+        let w: [&[BlockQ4_1]; 4] = std::array::from_fn(|c| &w[c][..nb]);
+        let mut acc = [_mm_setzero_ps(); R];
+        let ones = _mm256_set1_epi16(1);
         for b in 0..nb {
-            let wx: [__m256i; C] = std::array::from_fn(|c| nibbles(&w[c][b].qs));
+            let wx: [__m256i; 4] = std::array::from_fn(|c| nibbles(&w[c][b].qs));
+            let wd = _mm_set_ps(w[3][b].d, w[2][b].d, w[1][b].d, w[0][b].d);
+            let wm = _mm_set_ps(w[3][b].m, w[2][b].m, w[1][b].m, w[0][b].m);
             for r in 0..R {
                 let ab = &a[r][b];
                 let y = load_i8x32(&ab.qs);
-                for c in 0..C {
-                    let wb = &w[c][b];
-                    let p = dot_u8_i8(wx[c], y);
-                    acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), p, acc[r][c]);
-                    summ[r][c] += wb.m * ab.s;
-                }
+                let v: [__m256i; 4] = std::array::from_fn(|c| {
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(wx[c], y), ones)
+                });
+                let isum = _mm_cvtepi32_ps(hsum4_epi32(&v));
+                let t = _mm_mul_ps(_mm_mul_ps(isum, wd), _mm_set1_ps(ab.d));
+                let t = _mm_add_ps(t, _mm_mul_ps(wm, _mm_set1_ps(ab.s)));
+                acc[r] = _mm_add_ps(acc[r], t);
             }
         }
         for r in 0..R {
-            for c in 0..C {
-                out[r][c] = hsum(acc[r][c]) + summ[r][c];
-            }
+            // SAFETY: `out[r]` is 4 writable f32; the store is unaligned.
+            unsafe { _mm_storeu_ps(out[r].as_mut_ptr(), acc[r]) };
         }
     }
 
@@ -184,16 +201,17 @@ pub fn tile_q4_1<const R: usize, const C: usize>(
         target_feature = "avx2",
         target_feature = "fma"
     ))]
-    // SAFETY: this build targets CPUs with AVX2 and FMA (the cfg above), so the
-    // target-feature function runs on a CPU that has them.
-    unsafe {
-        avx2::tile_q4_1(a, w, out)
-    };
-    #[cfg(not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    )))]
+    if C == 4 {
+        let w4 = <&[&[BlockQ4_1]; 4]>::try_from(&w[..]).expect("C == 4");
+        let mut o = [[0f32; 4]; R];
+        // SAFETY: this build targets CPUs with AVX2 and FMA (the cfg above), so the
+        // target-feature function runs on a CPU that has them.
+        unsafe { avx2::tile_q4_1(a, w4, &mut o) };
+        for (dst, src) in out.iter_mut().zip(&o) {
+            dst.copy_from_slice(&src[..C]);
+        }
+        return;
+    }
     tile_q4_1_scalar(a, w, out);
 }
 
