@@ -9,7 +9,7 @@
 //! its AVX2 `vec_dot_q8_0_q8_0` (8-lane fused multiply-add, then a horizontal sum). Without
 //! AVX2 the scalar path is used (candle's generic order for both).
 
-use super::blocks::{BlockQ4_1, BlockQ8_0, BlockQ8_1, QK};
+use super::blocks::{BlockQ4_1, BlockQ4_1x4, BlockQ8_0, BlockQ8_1, QK};
 
 /// Integer dot product of a Q4_1 block's values with an activation block's values.
 #[inline(always)]
@@ -47,6 +47,29 @@ pub fn tile_q4_1_scalar<const R: usize, const C: usize>(
     }
 }
 
+/// Scalar tile of R activation rows against one interleaved group of 4 Q4_1 rows.
+pub fn tile_q4_1x4_scalar<const R: usize>(
+    a: &[&[BlockQ8_1]; R],
+    g: &[BlockQ4_1x4],
+    out: &mut [[f32; 4]; R],
+) {
+    let f = |bits: u16| half::f16::from_bits(bits).to_f32();
+    for (ar, o) in a.iter().zip(out.iter_mut()) {
+        for (c, o) in o.iter_mut().enumerate() {
+            let mut sum = 0f32;
+            for (x, ab) in g.iter().zip(ar.iter()) {
+                let wb = BlockQ4_1 {
+                    d: f(x.d[c]),
+                    m: f(x.m[c]),
+                    qs: x.qs[c],
+                };
+                sum += isum_q4_1(&wb, ab) as f32 * wb.d * ab.d + wb.m * ab.s;
+            }
+            *o = sum;
+        }
+    }
+}
+
 /// Scalar Q8_0 tile: `out[r][c] = dot(a[r], w[c])`.
 pub fn tile_q8_0_scalar<const R: usize, const C: usize>(
     a: &[&[BlockQ8_1]; R],
@@ -72,7 +95,7 @@ pub fn tile_q8_0_scalar<const R: usize, const C: usize>(
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{BlockQ4_1, BlockQ8_0, BlockQ8_1};
+    use super::{BlockQ4_1, BlockQ4_1x4, BlockQ8_0, BlockQ8_1};
 
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -155,6 +178,46 @@ mod avx2 {
         }
     }
 
+    /// [`tile_q4_1`] on an interleaved group: scales by one load and one f16 widening.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn tile_q4_1x4<const R: usize>(
+        a: &[&[BlockQ8_1]; R],
+        g: &[BlockQ4_1x4],
+        out: &mut [[f32; 4]; R],
+    ) {
+        let nb = a[0].len();
+        let a: [&[BlockQ8_1]; R] = std::array::from_fn(|r| &a[r][..nb]);
+        let g = &g[..nb];
+        let mut acc = [_mm_setzero_ps(); R];
+        let ones = _mm256_set1_epi16(1);
+        for (b, x) in g.iter().enumerate() {
+            // SAFETY: `d` and `m` are 8 readable bytes each; the loads are unaligned.
+            let (wd, wm) = unsafe {
+                (
+                    _mm_cvtph_ps(_mm_loadl_epi64(x.d.as_ptr() as *const __m128i)),
+                    _mm_cvtph_ps(_mm_loadl_epi64(x.m.as_ptr() as *const __m128i)),
+                )
+            };
+            let wx: [__m256i; 4] = std::array::from_fn(|c| nibbles(&x.qs[c]));
+            for r in 0..R {
+                let ab = &a[r][b];
+                let y = load_i8x32(&ab.qs);
+                let v: [__m256i; 4] = std::array::from_fn(|c| {
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(wx[c], y), ones)
+                });
+                let isum = _mm_cvtepi32_ps(hsum4_epi32(&v));
+                let t = _mm_mul_ps(_mm_mul_ps(isum, wd), _mm_set1_ps(ab.d));
+                let t = _mm_add_ps(t, _mm_mul_ps(wm, _mm_set1_ps(ab.s)));
+                acc[r] = _mm_add_ps(acc[r], t);
+            }
+        }
+        for r in 0..R {
+            // SAFETY: `out[r]` is 4 writable f32; the store is unaligned.
+            unsafe { _mm_storeu_ps(out[r].as_mut_ptr(), acc[r]) };
+        }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub fn tile_q8_0<const R: usize, const C: usize>(
@@ -213,6 +276,34 @@ pub fn tile_q4_1<const R: usize, const C: usize>(
         return;
     }
     tile_q4_1_scalar(a, w, out);
+}
+
+/// Interleaved Q4_1 group tile on the fastest path this build has (bit-identical to the
+/// scalar one).
+#[inline(always)]
+pub fn tile_q4_1x4<const R: usize>(
+    a: &[&[BlockQ8_1]; R],
+    g: &[BlockQ4_1x4],
+    out: &mut [[f32; 4]; R],
+) {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    // SAFETY: this build targets CPUs with AVX2, FMA and F16C (the cfg above), so the
+    // target-feature function runs on a CPU that has them.
+    unsafe {
+        avx2::tile_q4_1x4(a, g, out)
+    };
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    )))]
+    tile_q4_1x4_scalar(a, g, out);
 }
 
 /// Q8_0 tile on the fastest path this build has.

@@ -7,8 +7,9 @@
 use rayon::prelude::*;
 
 use super::blocks::{
-    BlockQ4_1, BlockQ8_0, BlockQ8_1, QK, dequantize_q4_1, dequantize_q8_0, q4_1_from_gguf,
-    q8_0_from_gguf, quantize_row_q8_0, quantize_row_q8_1,
+    BlockQ4_1, BlockQ4_1x4, BlockQ8_0, BlockQ8_1, QK, dequantize_q4_1, dequantize_q8_0,
+    q4_1_deinterleave, q4_1_from_gguf, q4_1_interleave, q8_0_from_gguf, quantize_row_q8_0,
+    quantize_row_q8_1,
 };
 use super::dot;
 
@@ -49,7 +50,10 @@ impl TileBlock for BlockQ8_0 {
 
 #[derive(Debug, Clone, PartialEq)]
 enum Blocks {
+    /// Row by row (when the row count is not a multiple of 4).
     Q4_1(Vec<BlockQ4_1>),
+    /// Groups of 4 rows interleaved (see `BlockQ4_1x4`).
+    Q4_1x4(Vec<BlockQ4_1x4>),
     Q8_0(Vec<BlockQ8_0>),
 }
 
@@ -82,10 +86,24 @@ impl QWeight {
     pub fn from_gguf_q4_1(bytes: &[u8], n: usize, k: usize) -> Self {
         let b = q4_1_from_gguf(bytes);
         Self::check(n, k, b.len());
-        QWeight {
-            n,
-            k,
-            blocks: Blocks::Q4_1(b),
+        Self::q4_1_rows(b, n, k)
+    }
+
+    fn q4_1_rows(rows: Vec<BlockQ4_1>, n: usize, k: usize) -> Self {
+        let blocks = if n.is_multiple_of(4) {
+            Blocks::Q4_1x4(q4_1_interleave(&rows, k / QK))
+        } else {
+            Blocks::Q4_1(rows)
+        };
+        QWeight { n, k, blocks }
+    }
+
+    /// Q4_1 blocks row by row, whatever the layout.
+    fn q4_1_row_blocks(&self) -> Option<Vec<BlockQ4_1>> {
+        match &self.blocks {
+            Blocks::Q4_1(b) => Some(b.clone()),
+            Blocks::Q4_1x4(g) => Some(q4_1_deinterleave(g, self.k / QK)),
+            Blocks::Q8_0(_) => None,
         }
     }
 
@@ -119,26 +137,22 @@ impl QWeight {
         let k = parts[0].k;
         let n = parts.iter().map(|p| p.n).sum();
         assert!(parts.iter().all(|p| p.k == k), "concat needs one k");
-        let blocks = match parts[0].blocks {
-            Blocks::Q4_1(_) => Blocks::Q4_1(
-                parts
-                    .into_iter()
-                    .flat_map(|p| match p.blocks {
-                        Blocks::Q4_1(b) => b,
-                        Blocks::Q8_0(_) => panic!("concat needs one format"),
-                    })
-                    .collect(),
-            ),
-            Blocks::Q8_0(_) => Blocks::Q8_0(
-                parts
-                    .into_iter()
-                    .flat_map(|p| match p.blocks {
-                        Blocks::Q8_0(b) => b,
-                        Blocks::Q4_1(_) => panic!("concat needs one format"),
-                    })
-                    .collect(),
-            ),
-        };
+        if parts[0].format() == QFormat::Q4_1 {
+            let rows = parts
+                .iter()
+                .flat_map(|p| p.q4_1_row_blocks().expect("concat needs one format"))
+                .collect();
+            return Self::q4_1_rows(rows, n, k);
+        }
+        let blocks = Blocks::Q8_0(
+            parts
+                .into_iter()
+                .flat_map(|p| match p.blocks {
+                    Blocks::Q8_0(b) => b,
+                    _ => panic!("concat needs one format"),
+                })
+                .collect(),
+        );
         QWeight { n, k, blocks }
     }
 
@@ -150,7 +164,7 @@ impl QWeight {
     }
     pub fn format(&self) -> QFormat {
         match self.blocks {
-            Blocks::Q4_1(_) => QFormat::Q4_1,
+            Blocks::Q4_1(_) | Blocks::Q4_1x4(_) => QFormat::Q4_1,
             Blocks::Q8_0(_) => QFormat::Q8_0,
         }
     }
@@ -160,6 +174,20 @@ impl QWeight {
         let kb = self.k / QK;
         match &self.blocks {
             Blocks::Q4_1(b) => dequantize_q4_1(&b[r * kb..(r + 1) * kb], out),
+            Blocks::Q4_1x4(g) => {
+                let (grp, c) = (r / 4, r % 4);
+                for (x, o) in g[grp * kb..(grp + 1) * kb]
+                    .iter()
+                    .zip(out.chunks_exact_mut(QK))
+                {
+                    let d = half::f16::from_bits(x.d[c]).to_f32();
+                    let m = half::f16::from_bits(x.m[c]).to_f32();
+                    for j in 0..QK / 2 {
+                        o[j] = (x.qs[c][j] & 0x0F) as f32 * d + m;
+                        o[j + QK / 2] = (x.qs[c][j] >> 4) as f32 * d + m;
+                    }
+                }
+            }
             Blocks::Q8_0(b) => dequantize_q8_0(&b[r * kb..(r + 1) * kb], out),
         }
     }
@@ -193,6 +221,7 @@ impl QWeight {
         }
         match &self.blocks {
             Blocks::Q4_1(b) => run(b, self.n, kb, &acts, t, y),
+            Blocks::Q4_1x4(g) => run_x4(g, self.n, kb, &acts, t, y),
             Blocks::Q8_0(b) => run(b, self.n, kb, &acts, t, y),
         }
     }
@@ -270,6 +299,55 @@ fn run<B: TileBlock>(w: &[B], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize,
                     }
                 }
                 c += cols;
+            }
+            r += rows;
+        }
+    };
+    if tasks == 1 {
+        body(0);
+    } else {
+        (0..tasks).into_par_iter().for_each(body);
+    }
+}
+
+/// [`run`] for interleaved Q4_1 groups (`n % 4 == 0`): chunks of whole groups.
+fn run_x4(g: &[BlockQ4_1x4], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, y: &mut [f32]) {
+    let groups = n / 4;
+    let threads = rayon::current_num_threads().max(1);
+    let tasks = (threads * 8).min(groups.div_ceil(4)).max(1);
+    let chunk = groups.div_ceil(tasks);
+    let tasks = groups.div_ceil(chunk);
+    let out = OutPtr(y.as_mut_ptr());
+    let body = |task: usize| {
+        let g_begin = task * chunk;
+        let g_end = (g_begin + chunk).min(groups);
+        let arow = |r: usize| &acts[r * kb..(r + 1) * kb];
+        let mut r = 0;
+        while r < t {
+            let rows = (t - r).min(TR);
+            for grp in g_begin..g_end {
+                let gw = &g[grp * kb..(grp + 1) * kb];
+                let c = grp * 4;
+                if rows == TR {
+                    let mut o = [[0f32; 4]; TR];
+                    let a: [&[BlockQ8_1]; TR] = std::array::from_fn(|i| arow(r + i));
+                    dot::tile_q4_1x4(&a, gw, &mut o);
+                    for (i, row) in o.iter().enumerate() {
+                        for (j, &v) in row.iter().enumerate() {
+                            // SAFETY: row r+i < t and column c+j in this task's own groups.
+                            unsafe { out.write((r + i) * n + c + j, v) };
+                        }
+                    }
+                } else {
+                    for i in 0..rows {
+                        let mut o = [[0f32; 4]; 1];
+                        dot::tile_q4_1x4(&[arow(r + i)], gw, &mut o);
+                        for (j, &v) in o[0].iter().enumerate() {
+                            // SAFETY: row r+i < t and column c+j in this task's own groups.
+                            unsafe { out.write((r + i) * n + c + j, v) };
+                        }
+                    }
+                }
             }
             r += rows;
         }
@@ -425,6 +503,37 @@ mod tests {
         tile_q8_0_scalar(&a, &w, &mut slow);
         for (f, s) in fast.iter().flatten().zip(slow.iter().flatten()) {
             assert!((f - s).abs() <= 1e-4 * s.abs().max(1.0), "{f} vs {s}");
+        }
+    }
+
+    /// Interleaved groups give bit-identical results to row-by-row blocks, on the SIMD and
+    /// the scalar path.
+    #[test]
+    fn interleaved_q4_1_is_bit_identical_to_rows() {
+        let mut rng = Lcg(11);
+        let kb = 5;
+        let vals: Vec<u8> = (0..8 * kb * 16).map(|_| rng.next() as u8).collect();
+        let sc: Vec<(f32, f32)> = (0..8 * kb)
+            .map(|_| (rng.f32() * 0.1, rng.f32() - 0.5))
+            .collect();
+        let rows = q4_1_from_gguf(&q4_1_bytes(&vals, &sc));
+        let groups = q4_1_interleave(&rows, kb);
+        assert_eq!(q4_1_deinterleave(&groups, kb), rows);
+        let x: Vec<f32> = (0..3 * kb * QK).map(|_| rng.f32() * 2.0 - 1.0).collect();
+        let mut acts = vec![BlockQ8_1::ZERO; 3 * kb];
+        for (a, x) in acts.chunks_mut(kb).zip(x.chunks(kb * QK)) {
+            quantize_row_q8_1(x, a);
+        }
+        let a: [&[BlockQ8_1]; 3] = std::array::from_fn(|i| &acts[i * kb..(i + 1) * kb]);
+        for grp in 0..2 {
+            let w: [&[BlockQ4_1]; 4] =
+                std::array::from_fn(|c| &rows[(grp * 4 + c) * kb..(grp * 4 + c + 1) * kb]);
+            let (mut plain, mut fast, mut slow) = ([[0f32; 4]; 3], [[0f32; 4]; 3], [[0f32; 4]; 3]);
+            tile_q4_1_scalar(&a, &w, &mut plain);
+            dot::tile_q4_1x4(&a, &groups[grp * kb..(grp + 1) * kb], &mut fast);
+            dot::tile_q4_1x4_scalar(&a, &groups[grp * kb..(grp + 1) * kb], &mut slow);
+            assert_eq!(fast, plain);
+            assert_eq!(slow, plain);
         }
     }
 
