@@ -339,6 +339,12 @@ impl LlamaModel {
                 .collect();
             let heads = self.heads();
             let page_size = pool.page_size();
+            // Each segment's (key length, query rows): the reference's attention shape.
+            let shape: Vec<(usize, usize)> = segments
+                .iter()
+                .zip(&starts)
+                .map(|(seg, &start)| (start + seg.tokens.len(), seg.tokens.len()))
+                .collect();
             let attend = |scores: &mut Vec<f32>, (ti, out): (usize, &mut [f32])| {
                 let TokenAt { segment, pos } = at[ti];
                 match &pages[segment] {
@@ -346,7 +352,18 @@ impl LlamaModel {
                     None => out.fill(0.0),
                     Some(p) => {
                         let q = &qkv[ti * qkv_dim..ti * qkv_dim + d];
-                        attention::attend_token(heads, q, p, page_size, pos + 1, out, scores)
+                        let (kv_len, rows) = shape[segment];
+                        attention::attend_token(
+                            heads,
+                            q,
+                            p,
+                            page_size,
+                            pos + 1,
+                            kv_len,
+                            rows,
+                            out,
+                            scores,
+                        )
                     }
                 }
             };
