@@ -10,14 +10,17 @@ if [ ! -x "$venv/bin/python" ]; then
   # llama-cpp-python builds llama.cpp from source (about 15 minutes on 2 cores).
   CMAKE_ARGS="-DGGML_NATIVE=ON" "$venv/bin/pip" install -q llama-cpp-python==0.3.36 numpy
 fi
-cargo run --quiet --bin bulkhead -- models fetch
 model="${BULKHEAD_MODELS:-$HOME/.cache/bulkhead/models}/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
-cargo bench --no-run -p bulkhead-runtime --bench generation 2>/dev/null
+# The dev profile (opt-level 3 for every crate, see Cargo.toml) runs the bench binary, so
+# this reuses the test build instead of a separate release build; `--bench` makes it
+# measure. The bench fetches the models itself, and runs before llama.cpp needs the file.
+bench() { cargo test --quiet -p bulkhead-runtime --bench generation -- --bench; }
+cargo test --no-run -p bulkhead-runtime --bench generation 2>/dev/null
 out=$(mktemp)
 for threads in 1 2; do
   for weights in q8_0 native; do
     RAYON_NUM_THREADS=$threads CANDLE_NUM_THREADS=$threads BENCH_WEIGHTS=$weights \
-      cargo bench --quiet -p bulkhead-runtime --bench generation 2>/dev/null | tail -1 >>"$out"
+      bench 2>/dev/null | tail -1 >>"$out"
   done
   "$venv/bin/python" e2e/bench/llamacpp_generation.py "$model" "$threads" 2>/dev/null | tail -1 >>"$out"
 done

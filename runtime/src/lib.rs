@@ -10,6 +10,7 @@ pub mod admission;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod kernels;
 pub mod kv;
 pub mod metrics;
 pub mod models;

@@ -5,4 +5,6 @@
 
 mod pool;
 
-pub use pool::{KvLayout, KvPool, Owner, POISON, PageRef, PoolFull, PoolStats, Reservation, SeqKv};
+pub use pool::{
+    KvLayout, KvPool, LayerView, Owner, POISON, PageRef, PoolFull, PoolStats, Reservation, SeqKv,
+};

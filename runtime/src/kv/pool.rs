@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::RuntimeError;
@@ -411,6 +411,38 @@ impl KvPool {
         Ok(())
     }
 
+    /// Lend the K and V of positions `0..len` of one layer in place, page by page: every
+    /// page's owner tag is checked against `seq` first (the same check and alarm as
+    /// [`KvPool::read`]), and the pages stay read-locked while the view lives. A mismatch on
+    /// any page hands out nothing and returns the isolation error.
+    pub fn read_layer(
+        &self,
+        seq: &SeqKv,
+        layer: usize,
+        len: usize,
+    ) -> Result<LayerView<'_>, RuntimeError> {
+        let pages = self.pages_for(len);
+        let mut guards = Vec::with_capacity(pages);
+        for i in 0..pages {
+            let page_ref = *seq.table.get(i).ok_or_else(|| {
+                RuntimeError::Internal(format!(
+                    "position {} beyond the block table",
+                    i * self.page_size
+                ))
+            })?;
+            let page = self.pages[page_ref.page as usize].read();
+            self.check_tag(&seq.owner, page_ref, &page)?;
+            guards.push(page);
+        }
+        Ok(LayerView {
+            guards,
+            k_at: self.offset(layer, 0, 0),
+            v_at: self.offset(layer, 1, 0),
+            floats: self.page_size * self.layout.kv_dim,
+            len,
+        })
+    }
+
     /// Bytes of one page's K/V for `tokens` slots on the transfer wire.
     pub fn wire_bytes(&self, tokens: usize) -> usize {
         self.layout.layers * 2 * tokens * self.layout.kv_dim * std::mem::size_of::<f32>()
@@ -609,6 +641,39 @@ impl KvPool {
     }
 }
 
+/// One layer's K/V of a sequence's pages, owner-checked and read-locked (see
+/// [`KvPool::read_layer`]).
+pub struct LayerView<'a> {
+    guards: Vec<RwLockReadGuard<'a, PageData>>,
+    k_at: usize,
+    v_at: usize,
+    floats: usize,
+    len: usize,
+}
+
+impl LayerView<'_> {
+    /// Positions covered.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Each page's K and V, `[page_size, kv_dim]` row-major; slots at or past `len()` in
+    /// the last page hold nothing of this sequence's past and must not be read.
+    pub fn pages(&self) -> Vec<(&[f32], &[f32])> {
+        self.guards
+            .iter()
+            .map(|g| {
+                (
+                    &g.data[self.k_at..self.k_at + self.floats],
+                    &g.data[self.v_at..self.v_at + self.floats],
+                )
+            })
+            .collect()
+    }
+}
+
 impl Drop for SeqKv {
     fn drop(&mut self) {
         // A sequence must be released through its pool; one dropped without that would pin
@@ -638,6 +703,36 @@ mod tests {
             tenant: t.into(),
             request: r,
         }
+    }
+
+    #[test]
+    fn read_layer_lends_the_written_pages_and_refuses_a_forged_one() {
+        let pool = KvPool::new(layout(), 4, 8);
+        let mut a = pool.open(owner("a", 1), pool.try_reserve(6).unwrap());
+        let mut b = pool.open(owner("b", 2), pool.try_reserve(6).unwrap());
+        pool.grow(&mut a, 6).unwrap();
+        pool.grow(&mut b, 6).unwrap();
+        let k: Vec<f32> = (0..24).map(|x| x as f32).collect();
+        let v: Vec<f32> = (0..24).map(|x| -(x as f32)).collect();
+        pool.write(&a, 1, 0, &k, &v).unwrap();
+        pool.commit(&mut a, 6);
+        {
+            let view = pool.read_layer(&a, 1, 6).unwrap();
+            let pages = view.pages();
+            assert_eq!(pages.len(), 2);
+            assert_eq!(pages[0].0, &k[..16]);
+            assert_eq!(&pages[1].1[..8], &v[16..]);
+        }
+        let own = b.block_table()[1];
+        b.forge_block_table_entry(1, a.block_table()[0]);
+        assert!(matches!(
+            pool.read_layer(&b, 0, 6),
+            Err(RuntimeError::Isolation(_))
+        ));
+        assert_eq!(pool.isolation_violations(), 1);
+        b.forge_block_table_entry(1, own);
+        pool.release(&mut a);
+        pool.release(&mut b);
     }
 
     #[test]

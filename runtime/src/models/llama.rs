@@ -1,27 +1,33 @@
-//! Llama-architecture text generation on candle-core, with K/V only in the paged pool.
+//! Llama-architecture text generation on the CPU kernels (`crate::kernels`), with K/V only in
+//! the paged pool.
 //!
 //! One `forward_step` call runs a flattened batch: each segment is a run of tokens of one
 //! sequence (a prefill chunk or a single decode token). The linear layers see all tokens of
-//! all segments at once; attention runs per segment over K/V read back from the sequence's own
-//! pages, each read checked against the page owner tags. The op order follows candle's
-//! `quantized_llama` (our test oracle) so the logits match it.
+//! all segments at once (quantized matmuls on weights repacked at load); attention runs per
+//! token directly over the sequence's own pages, lent by the pool only after their owner tags
+//! match. The op order follows candle's `quantized_llama` (our test oracle, which also
+//! quantizes activations to Q8_1/Q8_0 per block) so the logits match it.
 
 use std::path::Path;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor, gguf_file};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::Device;
+use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
+use rayon::prelude::*;
 
 use crate::error::RuntimeError;
+use crate::kernels::attention::{self, Heads, PageKv};
+use crate::kernels::{QWeight, ops};
 use crate::kv::{KvLayout, KvPool, SeqKv};
 
 /// How the weights are held in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum WeightFormat {
-    /// Exactly as stored in the GGUF (e.g. Q4_1). Bit-comparable with the reference forward.
-    Native,
-    /// Re-quantized at load to Q8_0, whose CPU kernels are SIMD: about 2x faster here.
+    /// Exactly as stored in the GGUF (e.g. Q4_1): the reference forward's weights. The
+    /// faster format here (fewer bytes per decode step; see docs/benchmarks.md).
     #[default]
+    Native,
+    /// Re-quantized at load to Q8_0 (more bytes per weight, simpler dot product).
     Q8_0,
 }
 
@@ -49,27 +55,27 @@ impl LlamaConfig {
 }
 
 struct Layer {
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
-    wo: QMatMul,
-    w_gate: QMatMul,
-    w_up: QMatMul,
-    w_down: QMatMul,
-    attn_norm: Tensor,
-    ffn_norm: Tensor,
+    /// Q, K and V projections stacked: one matmul gives `[T, d_model + 2 * kv_dim]`.
+    wqkv: QWeight,
+    wo: QWeight,
+    /// Gate and up projections stacked: `[T, 2 * ffn]`.
+    w_gate_up: QWeight,
+    w_down: QWeight,
+    attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
 }
 
 pub struct LlamaModel {
     pub cfg: LlamaConfig,
-    embed: Tensor,
+    /// Token embeddings, Q8_0 as stored (rows dequantized on lookup).
+    embed: QWeight,
+    /// The output projection; `None` when tied to the embeddings.
+    output: Option<QWeight>,
     layers: Vec<Layer>,
-    norm: Tensor,
-    output: QMatMul,
-    cos: Tensor,
-    sin: Tensor,
-    neg_inf: Tensor,
-    device: Device,
+    norm: Vec<f32>,
+    /// Rope tables `[context_window][rope_dim / 2]`.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
 }
 
 /// One sequence's part of a step.
@@ -132,26 +138,45 @@ impl LlamaConfig {
     }
 }
 
-fn rope_tables(cfg: &LlamaConfig, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
-    let theta: Vec<f32> = (0..cfg.rope_dim)
-        .step_by(2)
-        .map(|i| 1f32 / cfg.rope_base.powf(i as f32 / cfg.rope_dim as f32))
-        .collect();
-    let n = cfg.context_window;
-    let theta = Tensor::new(theta.as_slice(), device)?;
-    let idx_theta = Tensor::arange(0, n as u32, device)?
-        .to_dtype(DType::F32)?
-        .reshape((n, 1))?
-        .matmul(&theta.reshape((1, theta.elem_count()))?)?;
-    Ok((idx_theta.cos()?, idx_theta.sin()?))
+/// A GGUF matrix as a repacked kernel weight in the chosen format.
+fn qweight(t: &QTensor, format: WeightFormat) -> Result<QWeight, RuntimeError> {
+    let (n, k) = t.shape().dims2()?;
+    let as_q8_0 = |t: &QTensor| -> Result<QWeight, RuntimeError> {
+        let f = t
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        Ok(QWeight::quantize_q8_0(&f, n, k))
+    };
+    match (t.dtype(), format) {
+        (GgmlDType::Q8_0, _) => Ok(QWeight::from_gguf_q8_0(&t.data()?, n, k)),
+        (GgmlDType::Q4_1, WeightFormat::Native) => Ok(QWeight::from_gguf_q4_1(&t.data()?, n, k)),
+        // Everything else the kernels run as Q8_0.
+        _ => as_q8_0(t),
+    }
+}
+
+fn f32_vec(t: &QTensor) -> Result<Vec<f32>, RuntimeError> {
+    Ok(t.dequantize(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?)
+}
+
+/// Where a token of the flattened batch comes from.
+#[derive(Clone, Copy)]
+struct TokenAt {
+    segment: usize,
+    /// Absolute position in its sequence.
+    pos: usize,
 }
 
 impl LlamaModel {
     /// Load a llama GGUF file. Returns the model and the parsed GGUF content (for the tokenizer).
+    /// The weights are repacked for the CPU kernels (`crate::kernels`), whatever `_device`.
     pub fn load(
         path: &Path,
         format: WeightFormat,
-        device: &Device,
+        _device: &Device,
     ) -> Result<(Self, gguf_file::Content), RuntimeError> {
         let mut file = std::fs::File::open(path).map_err(|e| {
             RuntimeError::Internal(format!("cannot open model {}: {e}", path.display()))
@@ -160,145 +185,232 @@ impl LlamaModel {
             .map_err(|e| RuntimeError::Internal(format!("{}: {e}", path.display())))?;
         let cfg = LlamaConfig::from_gguf(&ct)?;
         let mut tensor = |name: &str| -> Result<QTensor, RuntimeError> {
-            Ok(ct.tensor(&mut file, name, device)?)
-        };
-        let qmatmul = |t: QTensor| -> Result<QMatMul, RuntimeError> {
-            let t = match format {
-                WeightFormat::Native => t,
-                WeightFormat::Q8_0 if t.dtype() == GgmlDType::Q8_0 => t,
-                WeightFormat::Q8_0 => QTensor::quantize(&t.dequantize(device)?, GgmlDType::Q8_0)?,
-            };
-            Ok(QMatMul::from_qtensor(t)?)
+            Ok(ct.tensor(&mut file, name, &Device::Cpu)?)
         };
         let embed_q = tensor("token_embd.weight")?;
-        let embed = embed_q.dequantize(device)?;
-        let norm = tensor("output_norm.weight")?.dequantize(device)?;
-        let output = match tensor("output.weight") {
-            Ok(t) => qmatmul(t)?,
-            Err(_) => qmatmul(embed_q)?, // tied embeddings
+        // Lookups dequantize rows of the stored format; Q8_0 keeps them exact.
+        let embed = match embed_q.dtype() {
+            GgmlDType::Q8_0 | GgmlDType::Q4_1 => qweight(&embed_q, WeightFormat::Native)?,
+            _ => qweight(&embed_q, WeightFormat::Q8_0)?,
         };
+        let output = match tensor("output.weight") {
+            Ok(t) => Some(qweight(&t, format)?),
+            Err(_) => None, // tied embeddings
+        };
+        if output.is_none() && embed.format() != crate::kernels::QFormat::Q8_0 {
+            return Err(RuntimeError::Internal(
+                "tied embeddings must be Q8_0 (or convertible to it)".into(),
+            ));
+        }
+        let norm = f32_vec(&tensor("output_norm.weight")?)?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let p = format!("blk.{i}");
+            let mut w = |name: &str| qweight(&tensor(&format!("{p}.{name}.weight"))?, format);
+            let wqkv = QWeight::concat(vec![w("attn_q")?, w("attn_k")?, w("attn_v")?]);
+            let wo = w("attn_output")?;
+            let w_gate_up = QWeight::concat(vec![w("ffn_gate")?, w("ffn_up")?]);
+            let w_down = w("ffn_down")?;
             layers.push(Layer {
-                wq: qmatmul(tensor(&format!("{p}.attn_q.weight"))?)?,
-                wk: qmatmul(tensor(&format!("{p}.attn_k.weight"))?)?,
-                wv: qmatmul(tensor(&format!("{p}.attn_v.weight"))?)?,
-                wo: qmatmul(tensor(&format!("{p}.attn_output.weight"))?)?,
-                w_gate: qmatmul(tensor(&format!("{p}.ffn_gate.weight"))?)?,
-                w_up: qmatmul(tensor(&format!("{p}.ffn_up.weight"))?)?,
-                w_down: qmatmul(tensor(&format!("{p}.ffn_down.weight"))?)?,
-                attn_norm: tensor(&format!("{p}.attn_norm.weight"))?.dequantize(device)?,
-                ffn_norm: tensor(&format!("{p}.ffn_norm.weight"))?.dequantize(device)?,
+                wqkv,
+                wo,
+                w_gate_up,
+                w_down,
+                attn_norm: f32_vec(&tensor(&format!("{p}.attn_norm.weight"))?)?,
+                ffn_norm: f32_vec(&tensor(&format!("{p}.ffn_norm.weight"))?)?,
             });
         }
-        let (cos, sin) = rope_tables(&cfg, device)?;
+        let (cos, sin) = ops::rope_tables(cfg.rope_dim, cfg.rope_base, cfg.context_window);
         let model = LlamaModel {
             cfg,
             embed,
+            output,
             layers,
             norm,
-            output,
             cos,
             sin,
-            neg_inf: Tensor::new(f32::NEG_INFINITY, device)?,
-            device: device.clone(),
         };
         Ok((model, ct))
     }
 
+    fn heads(&self) -> Heads {
+        Heads {
+            n_head: self.cfg.n_head,
+            n_kv_head: self.cfg.n_kv_head,
+            head_dim: self.cfg.head_dim,
+        }
+    }
+
     /// Run one step over `segments`. Pages for the new tokens are allocated from each
-    /// sequence's reservation; K/V are written and read through `pool`. A segment whose
-    /// pages fail the owner check gets its own error; the others go on.
+    /// sequence's reservation; K/V are written into and attended over in the pool's pages
+    /// (owner-checked). A segment whose pages fail the owner check gets its own error; the
+    /// others go on.
     pub fn forward_step(
         &self,
         pool: &KvPool,
         segments: &mut [StepSegment<'_>],
     ) -> Result<Vec<SegmentResult>, RuntimeError> {
+        let c = &self.cfg;
         let mut failed: Vec<Option<RuntimeError>> = vec![None; segments.len()];
         let mut starts = Vec::with_capacity(segments.len());
+        let mut at = Vec::new();
         let mut ids = Vec::new();
         for (i, seg) in segments.iter_mut().enumerate() {
             let start = seg.seq.len();
-            if start + seg.tokens.len() > self.cfg.context_window {
+            if start + seg.tokens.len() > c.context_window {
                 failed[i] = Some(RuntimeError::Internal(format!(
                     "position {} beyond the context window {}",
                     start + seg.tokens.len(),
-                    self.cfg.context_window
+                    c.context_window
                 )));
             } else if let Err(e) = pool.grow(seg.seq, seg.tokens.len()) {
                 failed[i] = Some(e);
             }
             starts.push(start);
-            ids.extend_from_slice(seg.tokens);
+            for (j, &t) in seg.tokens.iter().enumerate() {
+                if t as usize >= c.vocab_size {
+                    return Err(RuntimeError::Internal(format!("token id {t} out of range")));
+                }
+                at.push(TokenAt {
+                    segment: i,
+                    pos: start + j,
+                });
+                ids.push(t);
+            }
         }
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let total = ids.len();
-        let ids = Tensor::from_vec(ids, total, &self.device)?;
-        let mut x = self.embed.index_select(&ids, 0)?; // [T, d]
+        let t = ids.len();
+        let d = c.d_model;
+        let kv_dim = c.n_kv_head * c.head_dim;
+        let qkv_dim = d + 2 * kv_dim;
+        let ffn = self.layers[0].w_down.cols();
+        let eps = c.rms_eps as f32;
+        let mut x = vec![0f32; t * d];
+        for (row, &id) in x.chunks_exact_mut(d).zip(&ids) {
+            self.embed.dequantize_row(id as usize, row);
+        }
+        let mut h = vec![0f32; t * d];
+        let mut qkv = vec![0f32; t * qkv_dim];
+        let mut att = vec![0f32; t * d];
+        let mut proj = vec![0f32; t * d];
+        let mut gate_up = vec![0f32; t * 2 * ffn];
+        let mut act = vec![0f32; t * ffn];
         let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
         for (li, layer) in self.layers.iter().enumerate() {
-            let residual = &x;
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.cfg.rms_eps as f32)?;
-            let q = layer.wq.forward(&h)?;
-            let k = layer.wk.forward(&h)?;
-            let v = layer.wv.forward(&h)?;
-            let mut outs = Vec::with_capacity(segments.len());
+            ops::rms_norm(&x, &layer.attn_norm, eps, &mut h);
+            layer.wqkv.matmul(&h, t, &mut qkv);
+            self.rope(&mut qkv, &at);
+            // Each segment's new K/V into its pages, then a view of all its pages.
             let mut offset = 0;
             for (si, seg) in segments.iter().enumerate() {
                 let n = seg.tokens.len();
-                let att = if failed[si].is_some() {
+                if failed[si].is_none() {
+                    kbuf.clear();
+                    vbuf.clear();
+                    for row in qkv[offset * qkv_dim..(offset + n) * qkv_dim].chunks_exact(qkv_dim) {
+                        kbuf.extend_from_slice(&row[d..d + kv_dim]);
+                        vbuf.extend_from_slice(&row[d + kv_dim..]);
+                    }
+                    if let Err(e) = pool.write(seg.seq, li, starts[si], &kbuf, &vbuf) {
+                        failed[si] = Some(e);
+                    }
+                }
+                offset += n;
+            }
+            let mut views = Vec::with_capacity(segments.len());
+            for (si, seg) in segments.iter().enumerate() {
+                views.push(if failed[si].is_some() {
                     None
                 } else {
-                    match self.attend(
-                        pool, seg.seq, li, starts[si], &q, &k, &v, offset, n, &mut kbuf, &mut vbuf,
-                    ) {
-                        Ok(y) => Some(y),
+                    match pool.read_layer(seg.seq, li, starts[si] + seg.tokens.len()) {
+                        Ok(v) => Some(v),
                         Err(e) => {
                             failed[si] = Some(e);
                             None
                         }
                     }
-                };
-                // A failed segment's rows carry zeros from here on; its output is discarded.
-                outs.push(match att {
-                    Some(y) => y,
-                    None => Tensor::zeros((n, self.cfg.d_model), DType::F32, &self.device)?,
                 });
-                offset += n;
             }
-            let y = Tensor::cat(&outs, 0)?;
-            let y = layer.wo.forward(&y)?;
-            let x1 = (y + residual)?;
-            let h = candle_nn::ops::rms_norm(&x1, &layer.ffn_norm, self.cfg.rms_eps as f32)?;
-            let gate = layer.w_gate.forward(&h)?;
-            let up = layer.w_up.forward(&h)?;
-            let mlp = layer
-                .w_down
-                .forward(&(candle_nn::ops::silu(&gate)? * up)?)?;
-            x = (mlp + x1)?;
+            let pages: Vec<Option<Vec<PageKv<'_>>>> = views
+                .iter()
+                .map(|v| v.as_ref().map(|v| v.pages()))
+                .collect();
+            let heads = self.heads();
+            let page_size = pool.page_size();
+            // Each segment's (key length, query rows): the reference's attention shape.
+            let shape: Vec<(usize, usize)> = segments
+                .iter()
+                .zip(&starts)
+                .map(|(seg, &start)| (start + seg.tokens.len(), seg.tokens.len()))
+                .collect();
+            let attend = |scores: &mut Vec<f32>, (ti, out): (usize, &mut [f32])| {
+                let TokenAt { segment, pos } = at[ti];
+                match &pages[segment] {
+                    // A failed segment's rows carry zeros from here on; its output is dropped.
+                    None => out.fill(0.0),
+                    Some(p) => {
+                        let q = &qkv[ti * qkv_dim..ti * qkv_dim + d];
+                        let (kv_len, rows) = shape[segment];
+                        attention::attend_token(
+                            heads,
+                            q,
+                            p,
+                            page_size,
+                            pos + 1,
+                            kv_len,
+                            rows,
+                            out,
+                            scores,
+                        )
+                    }
+                }
+            };
+            if t == 1 {
+                attend(&mut Vec::new(), (0, &mut att[..]));
+            } else {
+                att.par_chunks_mut(d)
+                    .enumerate()
+                    .for_each_init(Vec::new, attend);
+            }
+            drop(pages);
+            drop(views);
+            layer.wo.matmul(&att, t, &mut proj);
+            ops::add_assign(&mut x, &proj);
+            ops::rms_norm(&x, &layer.ffn_norm, eps, &mut h);
+            layer.w_gate_up.matmul(&h, t, &mut gate_up);
+            for (gu, a) in gate_up
+                .chunks_exact_mut(2 * ffn)
+                .zip(act.chunks_exact_mut(ffn))
+            {
+                let (g, u) = gu.split_at_mut(ffn);
+                ops::silu_mul(g, u);
+                a.copy_from_slice(g);
+            }
+            layer.w_down.matmul(&act, t, &mut proj);
+            ops::add_assign(&mut x, &proj);
         }
         // Logits only for the last token of each segment that wants them.
-        let mut rows = Vec::new();
+        let mut last = Vec::new();
         let mut offset = 0;
         for (si, seg) in segments.iter().enumerate() {
             offset += seg.tokens.len();
             if seg.want_logits && failed[si].is_none() {
-                rows.push((offset - 1) as u32);
+                last.extend_from_slice(&x[(offset - 1) * d..offset * d]);
             }
         }
-        let mut logits_rows = Vec::new();
-        if !rows.is_empty() {
-            let n = rows.len();
-            let idx = Tensor::from_vec(rows, n, &self.device)?;
-            let last = x.index_select(&idx, 0)?;
-            let last = candle_nn::ops::rms_norm(&last, &self.norm, self.cfg.rms_eps as f32)?;
-            let logits = self.output.forward(&last)?.to_dtype(DType::F32)?;
-            logits_rows = logits.to_vec2::<f32>()?;
+        let rows = last.len() / d;
+        let mut logits = Vec::new();
+        if rows > 0 {
+            let mut normed = vec![0f32; last.len()];
+            ops::rms_norm(&last, &self.norm, eps, &mut normed);
+            let out = self.output.as_ref().unwrap_or(&self.embed);
+            logits = vec![0f32; rows * out.rows()];
+            out.matmul(&normed, rows, &mut logits);
         }
-        let mut logits_rows = logits_rows.into_iter();
+        let vocab = self.output.as_ref().unwrap_or(&self.embed).rows();
+        let mut logits_rows = logits.chunks_exact(vocab.max(1)).map(|r| r.to_vec());
         let mut results = Vec::with_capacity(segments.len());
         for (si, seg) in segments.iter_mut().enumerate() {
             match failed[si].take() {
@@ -316,64 +428,18 @@ impl LlamaModel {
         Ok(results)
     }
 
-    /// Attention of one segment: rope, write its K/V into its pages, read back all of the
-    /// sequence's K/V (owner-checked), attend. Returns `[n, d_model]`.
-    #[allow(clippy::too_many_arguments)]
-    fn attend(
-        &self,
-        pool: &KvPool,
-        seq: &SeqKv,
-        layer: usize,
-        start: usize,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        offset: usize,
-        n: usize,
-        kbuf: &mut Vec<f32>,
-        vbuf: &mut Vec<f32>,
-    ) -> Result<Tensor, RuntimeError> {
+    /// Rope on the Q and K parts of every row of `qkv`, at each token's position.
+    fn rope(&self, qkv: &mut [f32], at: &[TokenAt]) {
         let c = &self.cfg;
-        let q = q
-            .narrow(0, offset, n)?
-            .reshape((1, n, c.n_head, c.head_dim))?
-            .transpose(1, 2)?;
-        let k = k
-            .narrow(0, offset, n)?
-            .reshape((1, n, c.n_kv_head, c.head_dim))?
-            .transpose(1, 2)?;
-        let v = v.narrow(0, offset, n)?;
-        let cos = self.cos.narrow(0, start, n)?;
-        let sin = self.sin.narrow(0, start, n)?;
-        let q = candle_nn::rotary_emb::rope_i(&q.contiguous()?, &cos, &sin)?;
-        let k = candle_nn::rotary_emb::rope_i(&k.contiguous()?, &cos, &sin)?;
-        // Back to [n, kv_dim] rows for the pool.
-        let k_rows = k.transpose(1, 2)?.flatten_all()?.to_vec1::<f32>()?;
-        let v_rows = v.flatten_all()?.to_vec1::<f32>()?;
-        pool.write(seq, layer, start, &k_rows, &v_rows)?;
-        let len = start + n;
-        pool.read(seq, layer, len, kbuf, vbuf)?;
-        let shape = (1, len, c.n_kv_head, c.head_dim);
-        let k_all = Tensor::from_slice(kbuf, shape, &self.device)?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let v_all = Tensor::from_slice(vbuf, shape, &self.device)?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let rep = c.n_head / c.n_kv_head;
-        let k_all = candle_transformers::utils::repeat_kv(k_all, rep)?;
-        let v_all = candle_transformers::utils::repeat_kv(v_all, rep)?;
-        let att = (q.matmul(&k_all.t()?)? / (c.head_dim as f64).sqrt())?;
-        let att = if n > 1 {
-            let mask = candle_transformers::utils::build_causal_mask(n, start, &self.device)?;
-            let mask = mask.broadcast_as(att.shape())?;
-            mask.where_cond(&self.neg_inf.broadcast_as(att.shape().dims())?, &att)?
-        } else {
-            att
-        };
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att.matmul(&v_all.contiguous()?)?; // [1, n_head, n, head_dim]
-        Ok(y.transpose(1, 2)?.reshape((n, c.n_head * c.head_dim))?)
+        let (d, hd, half) = (c.d_model, c.head_dim, c.rope_dim / 2);
+        let qkv_dim = d + 2 * c.n_kv_head * hd;
+        for (row, a) in qkv.chunks_exact_mut(qkv_dim).zip(at) {
+            let cos = &self.cos[a.pos * half..(a.pos + 1) * half];
+            let sin = &self.sin[a.pos * half..(a.pos + 1) * half];
+            for head in row[..d + c.n_kv_head * hd].chunks_exact_mut(hd) {
+                ops::rope_interleaved(&mut head[..c.rope_dim], cos, sin);
+            }
+        }
     }
 }
 

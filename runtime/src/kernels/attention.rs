@@ -1,0 +1,254 @@
+//! Causal attention of one query token straight over a sequence's KV pages (no copy of K/V).
+//!
+//! Scores for every position go into a small scratch row per head, then one softmax (max,
+//! exp, normalise) per head and a pass over the V pages, with grouped-query heads sharing each
+//! K/V row load. The float sums follow, step by step, the order of candle's CPU attention in
+//! the reference forward (`softmax(q k^T / sqrt(d)) v` through the gemm crate and candle's
+//! vector sum), because every later matmul re-quantizes activations to int8 and so turns
+//! last-bit differences into visible ones:
+//! - `q . k`: gemm's horizontal kernel (8 fused multiply-add lanes, then a pairwise lane sum)
+//!   when the segment's score matrix has at most 256 entries, else one fused multiply-add
+//!   chain along the head dimension;
+//! - the softmax sum: candle's `vec_sum` over the segment's whole key length (masked entries
+//!   are zeros there), 4 x 8 lanes per 32 values, then the tail in order;
+//! - `p . v`: one fused multiply-add chain over the positions.
+
+/// Head geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heads {
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+}
+
+/// One page's K and V of one layer, `[page_size, kv_dim]` each (slots past the sequence's
+/// length are not read).
+pub type PageKv<'a> = (&'a [f32], &'a [f32]);
+
+/// The reference's score matrices up to this many entries use gemm's horizontal kernel.
+const HORIZONTAL_MAX: usize = 16 * 16;
+
+/// gemm's horizontal dot: 8 fused lanes along the vectors, then `(l0+l4 + l2+l6) + (l1+l5 +
+/// l3+l7)` as its `reduce_sum`.
+#[inline]
+fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, ar) = a.split_at(a.len() / 8 * 8);
+    let (bc, br) = b.split_at(ac.len());
+    for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    // A partial last chunk is loaded with zeros past the end: the same as these lanes alone.
+    for (l, (x, y)) in ar.iter().zip(br).enumerate() {
+        acc[l] = x.mul_add(*y, acc[l]);
+    }
+    let s: [f32; 4] = std::array::from_fn(|i| acc[i] + acc[i + 4]);
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+/// One fused multiply-add chain (gemm's packed micro-kernel along the depth).
+#[inline]
+fn dot_chain(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0f32, |acc, (x, y)| x.mul_add(*y, acc))
+}
+
+/// candle's AVX `vec_sum`: 4 accumulators of 8 lanes over each 32 values, combined as
+/// `(x0+x1) + (x2+x3)`, then `(l0+l4 + l1+l5) + (l2+l6 + l3+l7)`, then the tail in order.
+fn vec_sum(x: &[f32]) -> f32 {
+    let np = x.len() / 32 * 32;
+    let mut acc = [[0f32; 8]; 4];
+    for chunk in x[..np].chunks_exact(32) {
+        for (j, a) in acc.iter_mut().enumerate() {
+            for l in 0..8 {
+                a[l] += chunk[j * 8 + l];
+            }
+        }
+    }
+    let v: [f32; 8] = std::array::from_fn(|l| (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]));
+    let t: [f32; 4] = std::array::from_fn(|i| v[i] + v[i + 4]);
+    let mut s = (t[0] + t[1]) + (t[2] + t[3]);
+    for &v in &x[np..] {
+        s += v;
+    }
+    s
+}
+
+/// `out[n_head * head_dim]` = attention of `q[n_head * head_dim]` over positions `0..len`,
+/// held `page_size` per page in `pages`. The query belongs to a segment of `rows` tokens whose
+/// keys span `kv_len` positions (`len <= kv_len`): the shape the reference computes the
+/// segment in, which decides its summation order. `scores` is scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_token(
+    heads: Heads,
+    q: &[f32],
+    pages: &[PageKv<'_>],
+    page_size: usize,
+    len: usize,
+    kv_len: usize,
+    rows: usize,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    let Heads {
+        n_head,
+        n_kv_head,
+        head_dim: hd,
+    } = heads;
+    let kv_dim = n_kv_head * hd;
+    let rep = n_head / n_kv_head;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let kv_len = kv_len.max(len);
+    let dot = if rows * kv_len <= HORIZONTAL_MAX {
+        dot_lanes
+    } else {
+        dot_chain
+    };
+    debug_assert!(len <= pages.len() * page_size);
+    scores.clear();
+    scores.resize(n_head * kv_len, 0.0);
+    for (pi, (k, _)) in pages.iter().enumerate() {
+        let base = pi * page_size;
+        if base >= len {
+            break;
+        }
+        let cnt = page_size.min(len - base);
+        for s in 0..cnt {
+            let row = &k[s * kv_dim..(s + 1) * kv_dim];
+            for g in 0..n_kv_head {
+                let kr = &row[g * hd..(g + 1) * hd];
+                for h in g * rep..(g + 1) * rep {
+                    scores[h * kv_len + base + s] = dot(&q[h * hd..(h + 1) * hd], kr) * scale;
+                }
+            }
+        }
+    }
+    for row in scores.chunks_exact_mut(kv_len) {
+        let (live, _masked) = row.split_at_mut(len);
+        let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        for v in live.iter_mut() {
+            *v = (*v - max).exp();
+        }
+        // Masked positions are exp(-inf) = 0 in the reference's row: zeros here.
+        let sum = vec_sum(row);
+        for v in row[..len].iter_mut() {
+            *v /= sum;
+        }
+    }
+    out.fill(0.0);
+    for (pi, (_, v)) in pages.iter().enumerate() {
+        let base = pi * page_size;
+        if base >= len {
+            break;
+        }
+        let cnt = page_size.min(len - base);
+        for s in 0..cnt {
+            let row = &v[s * kv_dim..(s + 1) * kv_dim];
+            for g in 0..n_kv_head {
+                let vr = &row[g * hd..(g + 1) * hd];
+                for h in g * rep..(g + 1) * rep {
+                    let p = scores[h * kv_len + base + s];
+                    for (o, &x) in out[h * hd..(h + 1) * hd].iter_mut().zip(vr) {
+                        *o = p.mul_add(x, *o);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Plain attention over contiguous K/V `[len, kv_dim]`.
+    fn reference(heads: Heads, q: &[f32], k: &[f32], v: &[f32], len: usize) -> Vec<f32> {
+        let hd = heads.head_dim;
+        let kv_dim = heads.n_kv_head * hd;
+        let rep = heads.n_head / heads.n_kv_head;
+        let mut out = vec![0f32; heads.n_head * hd];
+        for h in 0..heads.n_head {
+            let g = h / rep;
+            let s: Vec<f64> = (0..len)
+                .map(|j| {
+                    (0..hd)
+                        .map(|i| q[h * hd + i] as f64 * k[j * kv_dim + g * hd + i] as f64)
+                        .sum::<f64>()
+                        / (hd as f64).sqrt()
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for i in 0..hd {
+                out[h * hd + i] = (0..len)
+                    .map(|j| e[j] / z * v[j * kv_dim + g * hd + i] as f64)
+                    .sum::<f64>() as f32;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn paged_attention_matches_contiguous_attention() {
+        let heads = Heads {
+            n_head: 6,
+            n_kv_head: 2,
+            head_dim: 8,
+        };
+        let kv_dim = 16;
+        let page_size = 4;
+        let mut seed = 1u32;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
+            (seed >> 8) as f32 / (1 << 24) as f32 - 0.5
+        };
+        let total = 11;
+        let k: Vec<f32> = (0..total * kv_dim).map(|_| rnd() * 3.0).collect();
+        let v: Vec<f32> = (0..total * kv_dim).map(|_| rnd()).collect();
+        let q: Vec<f32> = (0..heads.n_head * 8).map(|_| rnd() * 3.0).collect();
+        // Pages with garbage (NaN) past the end, as poisoned slots would be.
+        let mut pk = vec![f32::NAN; 3 * page_size * kv_dim];
+        let mut pv = vec![f32::NAN; 3 * page_size * kv_dim];
+        pk[..k.len()].copy_from_slice(&k);
+        pv[..v.len()].copy_from_slice(&v);
+        let pages: Vec<PageKv> = pk
+            .chunks(page_size * kv_dim)
+            .zip(pv.chunks(page_size * kv_dim))
+            .collect();
+        let mut scratch = Vec::new();
+        for len in 1..=total {
+            let mut out = vec![0f32; heads.n_head * 8];
+            // Both summation orders: a small segment (horizontal dots) and a large one.
+            attend_token(
+                heads,
+                &q,
+                &pages,
+                page_size,
+                len,
+                len,
+                1,
+                &mut out,
+                &mut scratch,
+            );
+            let mut out2 = vec![0f32; heads.n_head * 8];
+            attend_token(
+                heads,
+                &q,
+                &pages,
+                page_size,
+                len,
+                total,
+                64,
+                &mut out2,
+                &mut scratch,
+            );
+            let want = reference(heads, &q, &k, &v, len);
+            for ((a, b), c) in out.iter().zip(&want).zip(&out2) {
+                assert!((a - b).abs() < 1e-5, "len {len}: {a} vs {b}");
+                assert!((c - b).abs() < 1e-5, "len {len}: {c} vs {b}");
+            }
+        }
+    }
+}

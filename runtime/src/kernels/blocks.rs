@@ -1,0 +1,220 @@
+//! Block formats of the repacked weights and of the quantized activations.
+//!
+//! Weights keep GGUF's quantized values but hold their scales as f32 (converted once at load),
+//! so the inner loops do no f16 conversion. Activations are quantized per matmul into
+//! Q8_1-style blocks (int8 values, a scale and the scaled sum of the values), which serve both
+//! weight formats: Q4_1 uses the sum for its offset `m`, Q8_0 ignores it.
+
+use half::f16;
+
+/// Values per block, for every format here.
+pub const QK: usize = 32;
+
+/// A Q4_1 block: value `j` is `d * q_j + m`; `qs[j]` holds `q_j` in its low nibble and
+/// `q_{j+16}` in its high nibble (GGUF order).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ4_1 {
+    pub d: f32,
+    pub m: f32,
+    pub qs: [u8; QK / 2],
+}
+
+/// Four Q4_1 blocks at the same position of 4 consecutive weight rows, interleaved so one
+/// load gets all four scales (kept as the GGUF's f16 bits: 20 bytes per block, as stored,
+/// and exact when widened) and the values stream from one place.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C, align(16))]
+pub struct BlockQ4_1x4 {
+    pub d: [u16; 4],
+    pub m: [u16; 4],
+    pub qs: [[u8; QK / 2]; 4],
+}
+
+/// Interleave rows of Q4_1 blocks (`rows % 4 == 0`, `kb` blocks per row) into groups of 4
+/// rows: group `g`, block `b` at `g * kb + b`.
+pub fn q4_1_interleave(rows: &[BlockQ4_1], kb: usize) -> Vec<BlockQ4_1x4> {
+    let n = rows.len() / kb;
+    debug_assert!(n.is_multiple_of(4));
+    let bits = |v: f32| f16::from_f32(v).to_bits();
+    let mut out = Vec::with_capacity(rows.len() / 4);
+    for g in 0..n / 4 {
+        for b in 0..kb {
+            let blk = |c: usize| &rows[(g * 4 + c) * kb + b];
+            out.push(BlockQ4_1x4 {
+                d: std::array::from_fn(|c| bits(blk(c).d)),
+                m: std::array::from_fn(|c| bits(blk(c).m)),
+                qs: std::array::from_fn(|c| blk(c).qs),
+            });
+        }
+    }
+    out
+}
+
+/// The inverse of [`q4_1_interleave`].
+pub fn q4_1_deinterleave(groups: &[BlockQ4_1x4], kb: usize) -> Vec<BlockQ4_1> {
+    let ng = groups.len() / kb;
+    let mut out = Vec::with_capacity(groups.len() * 4);
+    for g in 0..ng {
+        for c in 0..4 {
+            for b in 0..kb {
+                let x = &groups[g * kb + b];
+                out.push(BlockQ4_1 {
+                    d: f16::from_bits(x.d[c]).to_f32(),
+                    m: f16::from_bits(x.m[c]).to_f32(),
+                    qs: x.qs[c],
+                });
+            }
+        }
+    }
+    out
+}
+
+/// A Q8_0 block: value `j` is `d * qs[j]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct BlockQ8_0 {
+    pub d: f32,
+    pub qs: [i8; QK],
+}
+
+/// A quantized activation block: value `j` is about `d * qs[j]`; `s` is `d * sum(qs)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C, align(8))]
+pub struct BlockQ8_1 {
+    pub d: f32,
+    pub s: f32,
+    pub qs: [i8; QK],
+}
+
+impl BlockQ8_1 {
+    pub const ZERO: BlockQ8_1 = BlockQ8_1 {
+        d: 0.0,
+        s: 0.0,
+        qs: [0; QK],
+    };
+}
+
+/// GGUF's Q4_1 block: f16 d, f16 m, 16 bytes of nibbles.
+pub const GGUF_Q4_1_BYTES: usize = 20;
+/// GGUF's Q8_0 block: f16 d, 32 int8.
+pub const GGUF_Q8_0_BYTES: usize = 34;
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Repack GGUF Q4_1 bytes.
+pub fn q4_1_from_gguf(bytes: &[u8]) -> Vec<BlockQ4_1> {
+    bytes
+        .chunks_exact(GGUF_Q4_1_BYTES)
+        .map(|b| {
+            let mut qs = [0u8; QK / 2];
+            qs.copy_from_slice(&b[4..20]);
+            BlockQ4_1 {
+                d: f16_at(b, 0),
+                m: f16_at(b, 2),
+                qs,
+            }
+        })
+        .collect()
+}
+
+/// Repack GGUF Q8_0 bytes.
+pub fn q8_0_from_gguf(bytes: &[u8]) -> Vec<BlockQ8_0> {
+    bytes
+        .chunks_exact(GGUF_Q8_0_BYTES)
+        .map(|b| {
+            let mut qs = [0i8; QK];
+            for (q, &byte) in qs.iter_mut().zip(&b[2..34]) {
+                *q = byte as i8;
+            }
+            BlockQ8_0 {
+                d: f16_at(b, 0),
+                qs,
+            }
+        })
+        .collect()
+}
+
+/// Quantize 32 values the way GGUF's (and candle's) `quantize_row_q8_0/q8_1` do: scale
+/// `amax / 127` rounded to f16, values rounded half away from zero with the unrounded scale.
+/// Returns (d, qs, sum of qs).
+fn quantize_32(x: &[f32]) -> (f32, [i8; QK], i32) {
+    let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut qs = [0i8; QK];
+    let mut sum = 0i32;
+    for (q, &v) in qs.iter_mut().zip(x) {
+        *q = (v * id).round() as i8;
+        sum += *q as i32;
+    }
+    (f16::from_f32(d).to_f32(), qs, sum)
+}
+
+/// Quantize a row (length a multiple of 32) into activation blocks.
+pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
+    debug_assert_eq!(x.len(), out.len() * QK);
+    for (b, x) in out.iter_mut().zip(x.chunks_exact(QK)) {
+        let (d, qs, sum) = quantize_32(x);
+        // As in the reference: the sum goes through f16 and so does its product with d.
+        let s = f16::from_f32(f16::from_f32(sum as f32).to_f32() * d).to_f32();
+        *b = BlockQ8_1 { d, s, qs };
+    }
+}
+
+/// Quantize a row (length a multiple of 32) into Q8_0 weight blocks.
+pub fn quantize_row_q8_0(x: &[f32], out: &mut Vec<BlockQ8_0>) {
+    for x in x.chunks_exact(QK) {
+        let (d, qs, _) = quantize_32(x);
+        out.push(BlockQ8_0 { d, qs });
+    }
+}
+
+/// Dequantize Q4_1 blocks into `out` (`32 * blocks.len()` values).
+pub fn dequantize_q4_1(blocks: &[BlockQ4_1], out: &mut [f32]) {
+    for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
+        for j in 0..QK / 2 {
+            o[j] = (b.qs[j] & 0x0F) as f32 * b.d + b.m;
+            o[j + QK / 2] = (b.qs[j] >> 4) as f32 * b.d + b.m;
+        }
+    }
+}
+
+/// Dequantize Q8_0 blocks into `out` (`32 * blocks.len()` values).
+pub fn dequantize_q8_0(blocks: &[BlockQ8_0], out: &mut [f32]) {
+    for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK)) {
+        for (v, &q) in o.iter_mut().zip(&b.qs) {
+            *v = q as f32 * b.d;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn activation_blocks_round_trip_within_half_a_step() {
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.173)
+            .collect();
+        let mut q = vec![BlockQ8_1::ZERO; 2];
+        quantize_row_q8_1(&x, &mut q);
+        for (b, x) in q.iter().zip(x.chunks_exact(QK)) {
+            let sum: i32 = b.qs.iter().map(|&v| v as i32).sum();
+            assert!((b.s - b.d * sum as f32).abs() <= 1e-2 * b.s.abs().max(b.d));
+            for (&v, &qv) in x.iter().zip(&b.qs) {
+                assert!((v - b.d * qv as f32).abs() <= b.d * 0.51 + 1e-3);
+            }
+        }
+    }
+
+    #[test]
+    fn an_all_zero_block_quantizes_to_zero() {
+        let mut q = vec![BlockQ8_1::ZERO; 1];
+        quantize_row_q8_1(&[0.0; 32], &mut q);
+        assert_eq!(q[0], BlockQ8_1::ZERO);
+    }
+}

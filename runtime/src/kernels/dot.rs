@@ -1,0 +1,332 @@
+//! Tile dot products: `R` quantized activation rows against `C` weight rows at once, so each
+//! weight block loaded is used `R` times and each activation block `C` times.
+//!
+//! Per block the math is that of ggml's `vec_dot_q4_1_q8_1` / `vec_dot_q8_0_q8_0`:
+//! `sum_j (dw*qw_j + mw) * da*qa_j = dw*da * sum_j qw_j*qa_j + mw * sa`, the integer sum
+//! exact. The float steps follow candle's kernels (the reference forward's) operation by
+//! operation, so the results are bit-identical to them: Q4_1 as its generic
+//! `vec_dot_q4_1_q8_1` (scalar float order, here one SIMD lane per weight row), Q8_0 as
+//! its AVX2 `vec_dot_q8_0_q8_0` (8-lane fused multiply-add, then a horizontal sum). Without
+//! AVX2 the scalar path is used (candle's generic order for both).
+
+use super::blocks::{BlockQ4_1, BlockQ4_1x4, BlockQ8_0, BlockQ8_1, QK};
+
+/// Integer dot product of a Q4_1 block's values with an activation block's values.
+#[inline(always)]
+fn isum_q4_1(w: &BlockQ4_1, a: &BlockQ8_1) -> i32 {
+    let mut s = 0i32;
+    for j in 0..QK / 2 {
+        s += (w.qs[j] & 0x0F) as i32 * a.qs[j] as i32;
+        s += (w.qs[j] >> 4) as i32 * a.qs[j + QK / 2] as i32;
+    }
+    s
+}
+
+#[inline(always)]
+fn isum_q8_0(w: &BlockQ8_0, a: &BlockQ8_1) -> i32 {
+    w.qs.iter()
+        .zip(&a.qs)
+        .map(|(&x, &y)| x as i32 * y as i32)
+        .sum()
+}
+
+/// Scalar Q4_1 tile: `out[r][c] = dot(a[r], w[c])`.
+pub fn tile_q4_1_scalar<const R: usize, const C: usize>(
+    a: &[&[BlockQ8_1]; R],
+    w: &[&[BlockQ4_1]; C],
+    out: &mut [[f32; C]; R],
+) {
+    for r in 0..R {
+        for c in 0..C {
+            let mut sum = 0f32;
+            for (wb, ab) in w[c].iter().zip(a[r]) {
+                sum += isum_q4_1(wb, ab) as f32 * wb.d * ab.d + wb.m * ab.s;
+            }
+            out[r][c] = sum;
+        }
+    }
+}
+
+/// Scalar tile of R activation rows against one interleaved group of 4 Q4_1 rows.
+pub fn tile_q4_1x4_scalar<const R: usize>(
+    a: &[&[BlockQ8_1]; R],
+    g: &[BlockQ4_1x4],
+    out: &mut [[f32; 4]; R],
+) {
+    let f = |bits: u16| half::f16::from_bits(bits).to_f32();
+    for (ar, o) in a.iter().zip(out.iter_mut()) {
+        for (c, o) in o.iter_mut().enumerate() {
+            let mut sum = 0f32;
+            for (x, ab) in g.iter().zip(ar.iter()) {
+                let wb = BlockQ4_1 {
+                    d: f(x.d[c]),
+                    m: f(x.m[c]),
+                    qs: x.qs[c],
+                };
+                sum += isum_q4_1(&wb, ab) as f32 * wb.d * ab.d + wb.m * ab.s;
+            }
+            *o = sum;
+        }
+    }
+}
+
+/// Scalar Q8_0 tile: `out[r][c] = dot(a[r], w[c])`.
+pub fn tile_q8_0_scalar<const R: usize, const C: usize>(
+    a: &[&[BlockQ8_1]; R],
+    w: &[&[BlockQ8_0]; C],
+    out: &mut [[f32; C]; R],
+) {
+    for r in 0..R {
+        for c in 0..C {
+            let mut sum = 0f32;
+            for (wb, ab) in w[c].iter().zip(a[r]) {
+                sum += isum_q8_0(wb, ab) as f32 * wb.d * ab.d;
+            }
+            out[r][c] = sum;
+        }
+    }
+}
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{BlockQ4_1, BlockQ4_1x4, BlockQ8_0, BlockQ8_1};
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn load_i8x32(qs: &[i8; 32]) -> __m256i {
+        // SAFETY: `qs` is 32 readable bytes; the load is unaligned.
+        unsafe { _mm256_loadu_si256(qs.as_ptr() as *const __m256i) }
+    }
+
+    /// The 32 4-bit values of a Q4_1 block as bytes, in value order (low nibbles, then high).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn nibbles(qs: &[u8; 16]) -> __m256i {
+        // SAFETY: `qs` is 16 readable bytes; the load is unaligned.
+        let lo = unsafe { _mm_loadu_si128(qs.as_ptr() as *const __m128i) };
+        let hi = _mm_srli_epi16(lo, 4);
+        _mm256_and_si256(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(0x0F))
+    }
+
+    /// Unsigned bytes times signed bytes, summed into 8 i32 lanes, as floats. With unsigned
+    /// values below 128 and signed ones of magnitude at most 127, no i16 pair saturates.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn dot_u8_i8(ux: __m256i, sy: __m256i) -> __m256 {
+        let pairs = _mm256_maddubs_epi16(ux, sy);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// The four i32 lane sums of `v[0..4]` (exact), as one vector.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn hsum4_epi32(v: &[__m256i; 4]) -> __m128i {
+        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))
+    }
+
+    /// Q4_1 tile of 4 weight rows. The integer block sums come from SIMD (exact); the float
+    /// terms are added in the reference's order (`sum += isum * dw * da + mw * sa`, block after
+    /// block, no fused multiply-add), one lane per weight row, so results are bit-identical
+    /// to the scalar path and to ggml's/candle's generic `vec_dot_q4_1_q8_1`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub fn tile_q4_1<const R: usize>(
+        a: &[&[BlockQ8_1]; R],
+        w: &[&[BlockQ4_1]; 4],
+        out: &mut [[f32; 4]; R],
+    ) {
+        let nb = a[0].len();
+        let a: [&[BlockQ8_1]; R] = std::array::from_fn(|r| &a[r][..nb]);
+        let w: [&[BlockQ4_1]; 4] = std::array::from_fn(|c| &w[c][..nb]);
+        let mut acc = [_mm_setzero_ps(); R];
+        let ones = _mm256_set1_epi16(1);
+        for b in 0..nb {
+            let wx: [__m256i; 4] = std::array::from_fn(|c| nibbles(&w[c][b].qs));
+            let wd = _mm_set_ps(w[3][b].d, w[2][b].d, w[1][b].d, w[0][b].d);
+            let wm = _mm_set_ps(w[3][b].m, w[2][b].m, w[1][b].m, w[0][b].m);
+            for r in 0..R {
+                let ab = &a[r][b];
+                let y = load_i8x32(&ab.qs);
+                let v: [__m256i; 4] = std::array::from_fn(|c| {
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(wx[c], y), ones)
+                });
+                let isum = _mm_cvtepi32_ps(hsum4_epi32(&v));
+                let t = _mm_mul_ps(_mm_mul_ps(isum, wd), _mm_set1_ps(ab.d));
+                let t = _mm_add_ps(t, _mm_mul_ps(wm, _mm_set1_ps(ab.s)));
+                acc[r] = _mm_add_ps(acc[r], t);
+            }
+        }
+        for r in 0..R {
+            // SAFETY: `out[r]` is 4 writable f32; the store is unaligned.
+            unsafe { _mm_storeu_ps(out[r].as_mut_ptr(), acc[r]) };
+        }
+    }
+
+    /// [`tile_q4_1`] on an interleaved group: scales by one load and one f16 widening.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn tile_q4_1x4<const R: usize>(
+        a: &[&[BlockQ8_1]; R],
+        g: &[BlockQ4_1x4],
+        out: &mut [[f32; 4]; R],
+    ) {
+        let nb = a[0].len();
+        let a: [&[BlockQ8_1]; R] = std::array::from_fn(|r| &a[r][..nb]);
+        let g = &g[..nb];
+        let mut acc = [_mm_setzero_ps(); R];
+        let ones = _mm256_set1_epi16(1);
+        for (b, x) in g.iter().enumerate() {
+            // SAFETY: `d` and `m` are 8 readable bytes each; the loads are unaligned.
+            let (wd, wm) = unsafe {
+                (
+                    _mm_cvtph_ps(_mm_loadl_epi64(x.d.as_ptr() as *const __m128i)),
+                    _mm_cvtph_ps(_mm_loadl_epi64(x.m.as_ptr() as *const __m128i)),
+                )
+            };
+            let wx: [__m256i; 4] = std::array::from_fn(|c| nibbles(&x.qs[c]));
+            for r in 0..R {
+                let ab = &a[r][b];
+                let y = load_i8x32(&ab.qs);
+                let v: [__m256i; 4] = std::array::from_fn(|c| {
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(wx[c], y), ones)
+                });
+                let isum = _mm_cvtepi32_ps(hsum4_epi32(&v));
+                let t = _mm_mul_ps(_mm_mul_ps(isum, wd), _mm_set1_ps(ab.d));
+                let t = _mm_add_ps(t, _mm_mul_ps(wm, _mm_set1_ps(ab.s)));
+                acc[r] = _mm_add_ps(acc[r], t);
+            }
+        }
+        for r in 0..R {
+            // SAFETY: `out[r]` is 4 writable f32; the store is unaligned.
+            unsafe { _mm_storeu_ps(out[r].as_mut_ptr(), acc[r]) };
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub fn tile_q8_0<const R: usize, const C: usize>(
+        a: &[&[BlockQ8_1]; R],
+        w: &[&[BlockQ8_0]; C],
+        out: &mut [[f32; C]; R],
+    ) {
+        let nb = a[0].len();
+        let a: [&[BlockQ8_1]; R] = std::array::from_fn(|r| &a[r][..nb]);
+        let w: [&[BlockQ8_0]; C] = std::array::from_fn(|c| &w[c][..nb]);
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        for b in 0..nb {
+            // |w| as unsigned bytes; the sign moves onto the activations (ggml's trick for
+            // a signed x signed maddubs). Values lie in -127..=127, so |w| fits.
+            let wx: [__m256i; C] = std::array::from_fn(|c| load_i8x32(&w[c][b].qs));
+            let ax: [__m256i; C] = std::array::from_fn(|c| _mm256_sign_epi8(wx[c], wx[c]));
+            for r in 0..R {
+                let ab = &a[r][b];
+                let y = load_i8x32(&ab.qs);
+                for c in 0..C {
+                    let p = dot_u8_i8(ax[c], _mm256_sign_epi8(y, wx[c]));
+                    let d = _mm256_set1_ps(w[c][b].d * ab.d);
+                    acc[r][c] = _mm256_fmadd_ps(d, p, acc[r][c]);
+                }
+            }
+        }
+        for r in 0..R {
+            for c in 0..C {
+                out[r][c] = hsum(acc[r][c]);
+            }
+        }
+    }
+}
+
+/// Q4_1 tile on the fastest path this build has.
+#[inline(always)]
+pub fn tile_q4_1<const R: usize, const C: usize>(
+    a: &[&[BlockQ8_1]; R],
+    w: &[&[BlockQ4_1]; C],
+    out: &mut [[f32; C]; R],
+) {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if C == 4 {
+        let w4 = <&[&[BlockQ4_1]; 4]>::try_from(&w[..]).expect("C == 4");
+        let mut o = [[0f32; 4]; R];
+        // SAFETY: this build targets CPUs with AVX2 and FMA (the cfg above), so the
+        // target-feature function runs on a CPU that has them.
+        unsafe { avx2::tile_q4_1(a, w4, &mut o) };
+        for (dst, src) in out.iter_mut().zip(&o) {
+            dst.copy_from_slice(&src[..C]);
+        }
+        return;
+    }
+    tile_q4_1_scalar(a, w, out);
+}
+
+/// Interleaved Q4_1 group tile on the fastest path this build has (bit-identical to the
+/// scalar one).
+#[inline(always)]
+pub fn tile_q4_1x4<const R: usize>(
+    a: &[&[BlockQ8_1]; R],
+    g: &[BlockQ4_1x4],
+    out: &mut [[f32; 4]; R],
+) {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    // SAFETY: this build targets CPUs with AVX2, FMA and F16C (the cfg above), so the
+    // target-feature function runs on a CPU that has them.
+    unsafe {
+        avx2::tile_q4_1x4(a, g, out)
+    };
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    )))]
+    tile_q4_1x4_scalar(a, g, out);
+}
+
+/// Q8_0 tile on the fastest path this build has.
+#[inline(always)]
+pub fn tile_q8_0<const R: usize, const C: usize>(
+    a: &[&[BlockQ8_1]; R],
+    w: &[&[BlockQ8_0]; C],
+    out: &mut [[f32; C]; R],
+) {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    // SAFETY: this build targets CPUs with AVX2 and FMA (the cfg above), so the
+    // target-feature function runs on a CPU that has them.
+    unsafe {
+        avx2::tile_q8_0(a, w, out)
+    };
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    tile_q8_0_scalar(a, w, out);
+}

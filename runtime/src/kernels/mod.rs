@@ -1,0 +1,19 @@
+//! CPU kernels for the llama forward: repacked quantized weights and their matmul, and the
+//! small f32 operations around it.
+//!
+//! - `blocks`: the block formats (Q4_1 and Q8_0 weights with f32 scales, Q8_1 activations),
+//!   repacking from GGUF bytes, quantizing and dequantizing;
+//! - `dot`: tile dot products, AVX2 (`_mm256_maddubs_epi16`, as ggml) with a scalar fallback;
+//! - `matmul`: `QWeight` and the parallel `y = x W^T` over rayon's pool.
+//! - `ops`: RMSNorm, rope, SiLU, residual adds on f32 rows;
+//! - `attention`: one query token's causal attention over KV page slices.
+//!
+//! Everything `unsafe` in the crate lives here, each use with its `SAFETY:` reason.
+
+pub mod attention;
+pub mod blocks;
+pub mod dot;
+pub mod matmul;
+pub mod ops;
+
+pub use matmul::{QFormat, QWeight};
