@@ -3,6 +3,7 @@
 //! validation, fresh instances, CPU time, wall clock, memory, body sizes, AI calls, the
 //! owner's identity and visibility, the audit log, restarts and a second replica.
 
+mod common;
 #[path = "workers/guest.rs"]
 mod guest;
 
@@ -11,6 +12,7 @@ use std::path::PathBuf;
 
 use bulkhead_platform::config::ServeConfig;
 use bulkhead_runtime::node::{MINILM_NAME, SMOLLM2_NAME};
+use common::{drop_schema, postgres_schema, rand_suffix};
 use guest::Ai;
 use serde_json::{Value, json};
 
@@ -27,18 +29,10 @@ fn temp_dir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!(
         "bulkhead-workers-{tag}-{}-{}",
         std::process::id(),
-        nanos()
+        rand_suffix()
     ));
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-fn nanos() -> u64 {
-    use std::time::{SystemTime, UNIX_EPOCH};
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
 }
 
 fn config(data: &std::path::Path) -> ServeConfig {
@@ -725,35 +719,6 @@ async fn a_restart_loads_the_precompiled_copy() {
     assert_eq!(srv.state.workers.metrics.loads("database"), 1);
     assert_eq!(srv.state.workers.metrics.loads("compile"), 0);
     srv.stop().await;
-}
-
-/// A fresh PostgreSQL schema: (url that uses it, admin url to drop it).
-async fn postgres_schema() -> (String, String) {
-    let base = std::env::var("BULKHEAD_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let schema = format!("bh_workers_{}", nanos());
-    let admin = sqlx::postgres::PgPool::connect(&base)
-        .await
-        .expect("PostgreSQL at 127.0.0.1:5432");
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .execute(&admin)
-        .await
-        .unwrap();
-    admin.close().await;
-    let sep = if base.contains('?') { '&' } else { '?' };
-    (
-        format!("{base}{sep}options=-csearch_path%3D{schema}"),
-        format!("{base}#{schema}"),
-    )
-}
-
-async fn drop_schema(admin: &str) {
-    let (base, schema) = admin.split_once('#').unwrap();
-    let pool = sqlx::postgres::PgPool::connect(base).await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&pool)
-        .await
-        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
