@@ -66,6 +66,9 @@ fn main() {
         if let Ok(slots) = std::env::var("BULKHEAD_BENCH_POOL_SLOTS") {
             cfg.workers.pool_slots = slots.parse().unwrap();
         }
+        if let Ok(mib) = std::env::var("BULKHEAD_BENCH_KEEP_RESIDENT_MIB") {
+            cfg.workers.keep_resident_mib = mib.parse().unwrap();
+        }
         for m in &mut cfg.node.text_models {
             m.context_window = Some(512);
         }

@@ -9,6 +9,7 @@ mod guest;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use bulkhead_platform::config::ServeConfig;
 use bulkhead_runtime::node::{MINILM_NAME, SMOLLM2_NAME};
@@ -370,9 +371,18 @@ async fn every_request_gets_a_fresh_instance_and_host_names_route_to_workers() {
         .deploy(&acct, &tok, "counter", "", guest::component(&NO_AI))
         .await;
     assert_eq!(s, 200, "{b}");
+    // Another tenant runs the same component: the pool hands it the slot the first tenant's
+    // instances used (slots are affine to a module), with pages kept resident between them.
+    let (other, other_tok) = srv.tenant("fresh-other").await;
+    let (s, b) = srv
+        .deploy(&other, &other_tok, "counter", "", guest::component(&NO_AI))
+        .await;
+    assert_eq!(s, 200, "{b}");
     for _ in 0..3 {
-        let (s, t) = text_of(srv.call(&acct, "counter", "/o").await).await;
-        assert_eq!((s, t.as_str()), (200, "ok 1"), "no state carries over");
+        for a in [&acct, &other] {
+            let (s, t) = text_of(srv.call(a, "counter", "/o").await).await;
+            assert_eq!((s, t.as_str()), (200, "ok 1"), "no state carries over");
+        }
     }
     let r = srv
         .http
@@ -480,6 +490,43 @@ async fn limits_stop_a_request_and_the_next_one_is_served() {
     }
     assert!(m.ends_with("# EOF\n"));
     srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_finding_every_instance_slot_busy_gets_503() {
+    let mut cfg = config(&temp_dir("slots"));
+    cfg.workers.pool_slots = 1;
+    let srv = Arc::new(Server::start_with(cfg).await);
+    let (acct, tok) = srv.tenant("slots").await;
+    let (s, b) = srv
+        .deploy(&acct, &tok, "w", "?wall_ms=3000", guest::component(&NO_AI))
+        .await;
+    assert_eq!(s, 200, "{b}");
+    expect_ok(&srv, &acct, "w").await;
+
+    // `/sleep` holds the only slot until its wall-clock limit.
+    let sleeper = {
+        let (srv, acct) = (srv.clone(), acct.clone());
+        tokio::spawn(async move { json_of(srv.call(&acct, "w", "/sleep").await).await })
+    };
+    let mut refused = None;
+    while !sleeper.is_finished() {
+        let r = srv.call(&acct, "w", "/o").await;
+        if r.status() == 503 {
+            assert_eq!(r.headers()["retry-after"], "1");
+            refused = Some(json_of(r).await);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let (s, b) = refused.expect("a request while the only slot was busy was not refused");
+    assert_error(s, &b, 503, 3040);
+    counted(&srv, "overloaded", 1).await;
+    let (s, b) = sleeper.await.unwrap();
+    assert_error(s, &b, 503, 1103);
+    // The slot is free again.
+    expect_ok(&srv, &acct, "w").await;
+    Arc::into_inner(srv).unwrap().stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

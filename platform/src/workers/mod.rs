@@ -28,7 +28,7 @@ use axum::http::StatusCode;
 use parking_lot::{Mutex, RwLock};
 use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, HasSelf, Linker};
-use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+use wasmtime::{Config, Enabled, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 use wasmtime_wasi_http::p2::bindings::ProxyPre;
 
 use crate::envelope::ApiError;
@@ -55,9 +55,13 @@ pub struct WorkersConfig {
     pub max_request_bytes: usize,
     /// Largest response body a worker may send.
     pub max_response_bytes: usize,
-    /// Pre-allocated instance slots (wasmtime's pooling allocator); 0 allocates on demand.
-    /// A request that finds every slot busy gets 503/3040.
+    /// Pre-allocated instance slots (wasmtime's pooling allocator), the most worker
+    /// requests running at once; 0 allocates on demand, without a bound. A request that
+    /// finds every slot busy gets 503/3040.
     pub pool_slots: u32,
+    /// MiB of each pooled linear memory and table whose dirtied pages stay mapped between
+    /// instances (reset by copying the image back; Linux 6.7+, otherwise 0 is used).
+    pub keep_resident_mib: usize,
     /// Compiled workers kept in memory.
     pub loaded_max: usize,
     /// Deploys compiling at once (compiling a JS worker takes seconds of CPU).
@@ -80,7 +84,8 @@ impl Default for WorkersConfig {
             max_ai_calls: 256,
             max_request_bytes: 1 << 20,
             max_response_bytes: 16 << 20,
-            pool_slots: 0,
+            pool_slots: 64,
+            keep_resident_mib: 16,
             loaded_max: 256,
             compile_concurrency: 1,
             tick_ms: 1,
@@ -258,34 +263,72 @@ fn check_preamble(bytes: &[u8]) -> Result<(), ApiError> {
     }
 }
 
+/// The wasmtime engine for workers: components, epoch interruption (the CPU limit),
+/// copy-on-write memory images, and with `pool_slots` the pooling allocator. A pooled slot
+/// keeps up to `keep_resident_mib` of the pages its last instance dirtied mapped and copies
+/// them back to the image on reset (found with `PAGEMAP_SCAN`, required by `pagemap`
+/// `Yes`), so the next instance does not take a copy-on-write fault, and a TLB shootdown
+/// across cores, on each of them again. Either way every instance starts from the pristine
+/// image: nothing of one request is visible to the next.
+fn build_engine(cfg: &WorkersConfig, pagemap: Enabled) -> anyhow::Result<Engine> {
+    let mut config = Config::new();
+    config.wasm_component_model(true);
+    config.epoch_interruption(true);
+    config.parallel_compilation(true);
+    config.memory_init_cow(true);
+    if std::env::var_os("BULKHEAD_WASM_PERFMAP").is_some() {
+        // For profiling guests with `perf`: JIT symbols in /tmp/perf-PID.map.
+        config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+    }
+    if cfg.pool_slots > 0 {
+        let mut pool = PoolingAllocationConfig::default();
+        let slots = cfg.pool_slots;
+        let keep = cfg.keep_resident_mib << 20;
+        pool.total_component_instances(slots)
+            .total_core_instances(slots * 8)
+            .total_memories(slots * 2)
+            .total_tables(slots * 8)
+            .total_stacks(slots)
+            .max_memory_size((cfg.max_memory_mib as usize) << 20)
+            .max_core_instances_per_component(32)
+            .max_memories_per_component(4)
+            .max_tables_per_component(16)
+            .table_elements(100_000)
+            .max_core_instance_size(4 << 20)
+            .max_component_instance_size(4 << 20)
+            .max_unused_warm_slots(slots)
+            .linear_memory_keep_resident(keep)
+            .table_keep_resident(keep);
+        if keep > 0 {
+            pool.pagemap_scan(pagemap);
+        }
+        config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    }
+    Engine::new(&config).map_err(|e| anyhow::anyhow!("{e:#}"))
+}
+
 impl WorkerHost {
     /// The engine, its linker (WASI p2, `wasi:http` with outgoing requests denied, and the
     /// AI binding) and the epoch ticker thread.
     pub fn new(cfg: WorkersConfig, data_dir: &Path) -> anyhow::Result<Arc<WorkerHost>> {
-        let mut config = Config::new();
-        config.wasm_component_model(true);
-        config.epoch_interruption(true);
-        config.parallel_compilation(true);
-        config.memory_init_cow(true);
-        if cfg.pool_slots > 0 {
-            let mut pool = PoolingAllocationConfig::default();
-            let slots = cfg.pool_slots;
-            pool.total_component_instances(slots)
-                .total_core_instances(slots * 8)
-                .total_memories(slots * 2)
-                .total_tables(slots * 8)
-                .total_stacks(slots)
-                .max_memory_size((cfg.max_memory_mib as usize) << 20)
-                .max_core_instances_per_component(32)
-                .max_memories_per_component(4)
-                .max_tables_per_component(16)
-                .table_elements(100_000)
-                .max_core_instance_size(4 << 20)
-                .max_component_instance_size(4 << 20)
-                .max_unused_warm_slots(slots);
-            config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
-        }
-        let engine = Engine::new(&config).map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        let engine = match build_engine(&cfg, Enabled::Yes) {
+            Ok(engine) => engine,
+            Err(e) if cfg.pool_slots > 0 && cfg.keep_resident_mib > 0 => {
+                // Without PAGEMAP_SCAN (Linux 6.7+) wasmtime would copy the first
+                // `keep_resident` bytes back on every reset, dirty or not: slower than
+                // letting the pages fault back in, so keep nothing resident.
+                tracing::info!(
+                    "worker instance pool: PAGEMAP_SCAN unavailable ({e:#}); instance memory \
+                     is not kept resident between requests"
+                );
+                let cfg = WorkersConfig {
+                    keep_resident_mib: 0,
+                    ..cfg.clone()
+                };
+                build_engine(&cfg, Enabled::No)?
+            }
+            Err(e) => return Err(e),
+        };
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)
             .map_err(|e| anyhow::anyhow!("{e:#}"))?;

@@ -2,8 +2,8 @@
 //! `bulkhead:ai/worker` world (../wit) by wit-component. The first character of the request
 //! path picks what it does:
 //!
-//! - `o`: 200 `ok <n>`, where `n` counts the requests this instance has seen (always 1 when
-//!   every request gets a fresh instance)
+//! - `o`: 200 `ok <n>`, where `n` counts the requests this instance has seen, in a global and
+//!   in two places of its linear memory (always 1 when every request gets a fresh instance)
 //! - `l`: loops forever (CPU time limit)
 //! - `m`: grows its memory 16 MiB at a time until that fails, then 200 `survived`
 //! - `t`: traps (`unreachable`)
@@ -191,11 +191,20 @@ pub fn wat(ai: &Ai) -> String {
     (call $drop_request (local.get $req))
     (if (i32.eq (local.get $c) (i32.const 111)) ;; o
       (then
+        ;; Count in the global, in a page of the memory image and in a page past it; answer
+        ;; the largest count, so state left by an earlier request anywhere shows.
+        (i32.store (i32.const 1052) (i32.add (i32.load (i32.const 1052)) (i32.const 1)))
+        (i32.store (i32.const 120000) (i32.add (i32.load (i32.const 120000)) (i32.const 1)))
+        (local.set $i (global.get $seen))
+        (if (i32.gt_u (i32.load (i32.const 1052)) (local.get $i))
+          (then (local.set $i (i32.load (i32.const 1052)))))
+        (if (i32.gt_u (i32.load (i32.const 120000)) (local.get $i))
+          (then (local.set $i (i32.load (i32.const 120000)))))
         (i32.store8 (i32.const 4096) (i32.const 111))
         (i32.store8 (i32.const 4097) (i32.const 107))
         (i32.store8 (i32.const 4098) (i32.const 32))
         (call $respond (local.get $out) (i32.const 200) (i32.const 4096)
-          (i32.add (i32.const 3) (call $itoa (global.get $seen) (i32.const 4099))))
+          (i32.add (i32.const 3) (call $itoa (local.get $i) (i32.const 4099))))
         (return)))
     (if (i32.eq (local.get $c) (i32.const 108)) ;; l
       (then (loop $forever (br $forever))))
