@@ -249,13 +249,33 @@ pub async fn collect_text(
     }
 }
 
+/// An embedding answer: vectors, input tokens, and how long the node took (queue and
+/// compute; reported as `Server-Timing: node;dur=...`, so a client can tell the control
+/// plane's own time from the model's).
+pub struct Embedded {
+    pub data: Vec<Vec<f32>>,
+    pub tokens: usize,
+    pub node_time: std::time::Duration,
+}
+
+impl Embedded {
+    /// The `Server-Timing` header of this answer.
+    pub fn timing_header(&self) -> (axum::http::HeaderName, axum::http::HeaderValue) {
+        (
+            axum::http::HeaderName::from_static("server-timing"),
+            bulkhead_runtime::server::server_timing("node", self.node_time),
+        )
+    }
+}
+
 /// Embed `texts` with `model` on a node that serves it.
 pub async fn embed(
     state: &SharedState,
     tenant: &str,
     model: &ModelRecord,
     texts: Vec<String>,
-) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+) -> Result<Embedded, ApiError> {
+    let started = std::time::Instant::now();
     let result = if state.node.embed.contains_key(&model.name) {
         state
             .node
@@ -265,10 +285,15 @@ pub async fn embed(
     } else {
         embed_remote(state, tenant, model, texts).await
     };
+    let node_time = started.elapsed();
     match result {
         Ok((data, tokens)) => {
             meter(state, tenant, &model.name, tokens as i64, 0, None);
-            Ok((data, tokens))
+            Ok(Embedded {
+                data,
+                tokens,
+                node_time,
+            })
         }
         Err(e) => {
             meter(state, tenant, &model.name, 0, 0, Some(e.kind));

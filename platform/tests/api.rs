@@ -243,7 +243,7 @@ async fn a_tenant_runs_text_generation_and_embeddings_with_raw_or_encoded_model_
         "trace-me-42",
         "a client's request id is kept"
     );
-    let (s, body, _) = json_of(
+    let (s, body, headers) = json_of(
         srv.run(
             &acct,
             &tok,
@@ -255,6 +255,13 @@ async fn a_tenant_runs_text_generation_and_embeddings_with_raw_or_encoded_model_
     .await;
     assert_eq!(s, 200, "{body}");
     assert_eq!(body["result"]["shape"], json!([2, 384]));
+    // The node's share of the time, so a client can tell it from the control plane's.
+    let timing = headers["server-timing"].to_str().unwrap();
+    let node_ms: f64 = timing
+        .strip_prefix("node;dur=")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("bad server-timing {timing:?}"));
+    assert!(node_ms > 0.0, "{timing}");
     assert_eq!(body["result"]["pooling"], "mean");
     // messages variant
     let (s, body, _) = json_of(

@@ -295,14 +295,25 @@ async fn embed(
     body: axum::body::Bytes,
 ) -> Result<Response, ApiError> {
     let body: EmbedBody = parse(&body)?;
+    let started = std::time::Instant::now();
     let (data, prompt_tokens) = node.embed(&body.model, body.texts).await?;
+    let took = started.elapsed();
     let dims = data.first().map_or(0, |v| v.len());
-    Ok(Json(EmbedResponse {
+    let mut resp = Json(EmbedResponse {
         shape: [data.len(), dims],
         data,
         usage: EmbedUsage { prompt_tokens },
     })
-    .into_response())
+    .into_response();
+    resp.headers_mut()
+        .insert("server-timing", server_timing("embed", took));
+    Ok(resp)
+}
+
+/// A `Server-Timing` header value (W3C Server Timing): `name;dur=<milliseconds>`.
+pub fn server_timing(name: &str, took: std::time::Duration) -> axum::http::HeaderValue {
+    axum::http::HeaderValue::from_str(&format!("{name};dur={:.3}", took.as_secs_f64() * 1e3))
+        .expect("a metric name and a number are a valid header value")
 }
 
 /// Serve the node API on `listener` until `shutdown` resolves.

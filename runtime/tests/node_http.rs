@@ -349,6 +349,8 @@ async fn embeddings_over_http() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
+    let timing = r.headers()["server-timing"].to_str().unwrap().to_string();
+    assert!(timing.starts_with("embed;dur="), "{timing}");
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["shape"], json!([2, 384]));
     let long = long_prompt(600);

@@ -274,7 +274,9 @@ async fn embeddings_for(
         }
     };
     let limit_headers = inference::rate_limit(&state, &tenant, Task::Embeddings).await?;
-    let (data, tokens) = inference::embed(&state, &tenant, &model, req.input.into_vec()).await?;
+    let embedded = inference::embed(&state, &tenant, &model, req.input.into_vec()).await?;
+    let timing = embedded.timing_header();
+    let (data, tokens) = (embedded.data, embedded.tokens);
     let items: Vec<serde_json::Value> = data
         .iter()
         .enumerate()
@@ -295,5 +297,6 @@ async fn embeddings_for(
     }))
     .into_response();
     resp.headers_mut().extend(limit_headers);
+    resp.headers_mut().insert(timing.0, timing.1);
     Ok(resp)
 }

@@ -222,11 +222,15 @@ pub async fn run_model(
                 )));
             }
             let texts = input.text.into_vec();
-            let (data, _) = inference::embed(state, tenant, &model, texts).await?;
+            let embedded = inference::embed(state, tenant, &model, texts).await?;
+            let mut headers = limit_headers;
+            let (name, value) = embedded.timing_header();
+            headers.insert(name, value);
+            let data = embedded.data;
             let dims = data.first().map_or(0, Vec::len);
             let result =
                 serde_json::json!({ "shape": [data.len(), dims], "data": data, "pooling": "mean" });
-            Ok((model, RunOutput::Json(result), limit_headers))
+            Ok((model, RunOutput::Json(result), headers))
         }
         other => Err(ApiError::internal(format!(
             "model {} has unknown task {other}",
