@@ -1,8 +1,17 @@
 //! Per-tenant rate limits per task type, in fixed one-minute windows (Workers AI's defaults:
 //! text generation 300/min, embeddings 3000/min). Counted in Redis when it is configured, so
 //! every replica shares one budget; in-process otherwise (and while Redis is unreachable).
+//!
+//! With Redis, a replica does not ask Redis on every request: it takes the budget in leases
+//! of [`lease_size`] units (one `INCRBY` per lease) and spends them locally, so only one
+//! request in a lease waits on a Redis round trip. A lease can only be taken out of what
+//! is left of the window's limit, so all replicas together never admit more than the
+//! limit; the cost is that units a replica leased but did not spend before the window
+//! ends are lost (at most `lease_size - 1` per replica, tenant and task), so a tenant
+//! spread over many replicas may be refused just short of its limit, never past it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
@@ -43,6 +52,26 @@ pub struct RateLimiter {
     limits: RateLimits,
     windows: Mutex<HashMap<(String, Task), (u64, u32)>>,
     redis: Option<crate::redis_bus::RedisBus>,
+    leases: Mutex<HashMap<(String, Task), SharedLease>>,
+}
+
+/// Units of a window's shared budget taken from Redis at once: 1/64 of the limit, between
+/// 1 and 100 (so a small limit stays exact and a large one costs a round trip per 100).
+pub fn lease_size(limit: u32) -> u64 {
+    (u64::from(limit) / 64).clamp(1, 100)
+}
+
+/// A lease, locked across its refill's Redis round trip.
+type SharedLease = Arc<tokio::sync::Mutex<Lease>>;
+
+/// What this replica holds of one tenant's and task's shared budget in one window.
+#[derive(Debug, Default)]
+struct Lease {
+    minute: u64,
+    /// Units leased and not yet spent.
+    left: u64,
+    /// The window's shared count after this replica's last lease.
+    total: u64,
 }
 
 impl Task {
@@ -60,6 +89,7 @@ impl RateLimiter {
             limits,
             windows: Mutex::new(HashMap::new()),
             redis,
+            leases: Mutex::new(HashMap::new()),
         }
     }
 
@@ -81,20 +111,53 @@ impl RateLimiter {
             .as_secs();
         let minute = now / 60;
         let limit = self.limit(task);
-        match redis
-            .hit(&format!("{tenant}:{}:{minute}", task.key()), 60)
-            .await
-        {
-            Ok(count) => Decision {
-                allowed: count <= limit as u64,
-                limit,
-                remaining: (limit as u64).saturating_sub(count) as u32,
-                reset_s: 60 - now % 60,
-            },
-            Err(e) => {
-                tracing::warn!("Redis rate limit unavailable, counting in-process: {e}");
-                self.check_local(tenant, task)
+        let lease = {
+            let mut leases = self.leases.lock();
+            if leases.len() > 100_000 {
+                leases.retain(|_, l| l.try_lock().map_or(true, |l| l.minute == minute));
             }
+            leases
+                .entry((tenant.to_string(), task))
+                .or_default()
+                .clone()
+        };
+        // One refill at a time per tenant and task: the others wait for it, not on Redis.
+        let mut lease = lease.lock().await;
+        if lease.minute != minute {
+            *lease = Lease {
+                minute,
+                ..Lease::default()
+            };
+        }
+        // Once the shared count has reached the limit nobody can be admitted until the next
+        // window: refuse without asking Redis again.
+        if lease.left == 0 && lease.total < u64::from(limit) {
+            let n = lease_size(limit);
+            let key = format!("{tenant}:{}:{minute}", task.key());
+            match redis.hit(&key, n, 60).await {
+                Ok(total) => {
+                    // This lease is units total-n+1 ..= total; only those within the limit
+                    // may be spent.
+                    let first = total - n + 1;
+                    lease.left = (u64::from(limit) + 1).saturating_sub(first).min(n);
+                    lease.total = total;
+                }
+                Err(e) => {
+                    tracing::warn!("Redis rate limit unavailable, counting in-process: {e}");
+                    return self.check_local(tenant, task);
+                }
+            }
+        }
+        let allowed = lease.left > 0;
+        if allowed {
+            lease.left -= 1;
+        }
+        let unleased = u64::from(limit).saturating_sub(lease.total);
+        Decision {
+            allowed,
+            limit,
+            remaining: (unleased + lease.left).min(u64::from(limit)) as u32,
+            reset_s: 60 - now % 60,
         }
     }
 
@@ -132,6 +195,59 @@ impl RateLimiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two replicas (limiters) share one budget in Redis (127.0.0.1:6379): together they
+    /// never admit more than the limit, and lose at most a lease's remainder each.
+    #[tokio::test]
+    async fn replicas_lease_the_shared_budget_and_never_exceed_it() {
+        let prefix = format!("bulkhead-test-lease-{}", rand::random::<u64>());
+        let limits = RateLimits {
+            text_generation_per_min: 640,
+            embeddings_per_min: 1,
+        };
+        let n = lease_size(640);
+        assert_eq!(n, 10);
+        let mut replicas = Vec::new();
+        for _ in 0..2 {
+            let bus = crate::redis_bus::RedisBus::connect("redis://127.0.0.1:6379", &prefix)
+                .await
+                .expect("Redis at 127.0.0.1:6379");
+            replicas.push(RateLimiter::new(limits, Some(bus)));
+        }
+        loop {
+            let tenant = format!("t{}", rand::random::<u32>());
+            let mut allowed = 0u64;
+            let first = replicas[0].check(&tenant, Task::TextGeneration).await;
+            allowed += u64::from(first.allowed);
+            let mut last = first;
+            for i in 1..800 {
+                last = replicas[i % 2].check(&tenant, Task::TextGeneration).await;
+                allowed += u64::from(last.allowed);
+            }
+            if first.reset_s < last.reset_s {
+                continue; // crossed a minute boundary; the budget restarted, try again
+            }
+            assert!(allowed <= 640, "admitted {allowed} over the limit of 640");
+            assert!(allowed > 640 - 2 * n, "admitted only {allowed} of 640");
+            assert!(!last.allowed);
+            assert_eq!(last.remaining, 0);
+            // Redis saw leases, not requests: nothing past the limit's last lease.
+            let minute = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_secs()
+                / 60;
+            let key = format!("{prefix}:rl:{tenant}:text-generation:{minute}");
+            let mut conn = redis::Client::open("redis://127.0.0.1:6379")
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            let counted: u64 = redis::AsyncCommands::get(&mut conn, &key).await.unwrap();
+            assert!(counted <= 640 + 2 * n, "Redis counted {counted} units");
+            break;
+        }
+    }
 
     #[test]
     fn the_limit_is_per_tenant_and_per_task() {

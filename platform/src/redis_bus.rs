@@ -32,14 +32,14 @@ impl RedisBus {
         format!("{}:catalog", self.prefix)
     }
 
-    /// Count one hit in a fixed window `key`; returns the count so far. The key expires
+    /// Count `n` hits in a fixed window `key`; returns the count so far. The key expires
     /// with its window.
-    pub async fn hit(&self, key: &str, window_s: u64) -> redis::RedisResult<u64> {
+    pub async fn hit(&self, key: &str, n: u64, window_s: u64) -> redis::RedisResult<u64> {
         let key = format!("{}:rl:{key}", self.prefix);
         let mut conn = self.conn.clone();
         let (count,): (u64,) = redis::pipe()
             .atomic()
-            .incr(&key, 1)
+            .incr(&key, n)
             .expire(&key, window_s as i64 * 2)
             .ignore()
             .query_async(&mut conn)
