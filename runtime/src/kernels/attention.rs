@@ -75,6 +75,26 @@ fn vec_sum(x: &[f32]) -> f32 {
     s
 }
 
+/// Calls `f(position, row)` for positions `0..len` in order, `row` being that position's
+/// `kv_dim` floats in `pages` (the K or the V of each page, `page_size` rows a page).
+fn for_each_row<'a>(
+    pages: impl Iterator<Item = &'a [f32]>,
+    page_size: usize,
+    len: usize,
+    kv_dim: usize,
+    mut f: impl FnMut(usize, &'a [f32]),
+) {
+    for (pi, rows) in pages.enumerate() {
+        let base = pi * page_size;
+        if base >= len {
+            break;
+        }
+        for s in 0..page_size.min(len - base) {
+            f(base + s, &rows[s * kv_dim..(s + 1) * kv_dim]);
+        }
+    }
+}
+
 /// `out[n_head * head_dim]` = attention of `q[n_head * head_dim]` over positions `0..len`,
 /// held `page_size` per page in `pages`. The query belongs to a segment of `rows` tokens whose
 /// keys span `kv_len` positions (`len <= kv_len`): the shape the reference computes the
@@ -108,22 +128,15 @@ pub fn attend_token(
     debug_assert!(len <= pages.len() * page_size);
     scores.clear();
     scores.resize(n_head * kv_len, 0.0);
-    for (pi, (k, _)) in pages.iter().enumerate() {
-        let base = pi * page_size;
-        if base >= len {
-            break;
-        }
-        let cnt = page_size.min(len - base);
-        for s in 0..cnt {
-            let row = &k[s * kv_dim..(s + 1) * kv_dim];
-            for g in 0..n_kv_head {
-                let kr = &row[g * hd..(g + 1) * hd];
-                for h in g * rep..(g + 1) * rep {
-                    scores[h * kv_len + base + s] = dot(&q[h * hd..(h + 1) * hd], kr) * scale;
-                }
+    let keys = pages.iter().map(|p| p.0);
+    for_each_row(keys, page_size, len, kv_dim, |pos, row| {
+        for g in 0..n_kv_head {
+            let kr = &row[g * hd..(g + 1) * hd];
+            for h in g * rep..(g + 1) * rep {
+                scores[h * kv_len + pos] = dot(&q[h * hd..(h + 1) * hd], kr) * scale;
             }
         }
-    }
+    });
     for row in scores.chunks_exact_mut(kv_len) {
         let (live, _masked) = row.split_at_mut(len);
         let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
@@ -137,25 +150,18 @@ pub fn attend_token(
         }
     }
     out.fill(0.0);
-    for (pi, (_, v)) in pages.iter().enumerate() {
-        let base = pi * page_size;
-        if base >= len {
-            break;
-        }
-        let cnt = page_size.min(len - base);
-        for s in 0..cnt {
-            let row = &v[s * kv_dim..(s + 1) * kv_dim];
-            for g in 0..n_kv_head {
-                let vr = &row[g * hd..(g + 1) * hd];
-                for h in g * rep..(g + 1) * rep {
-                    let p = scores[h * kv_len + base + s];
-                    for (o, &x) in out[h * hd..(h + 1) * hd].iter_mut().zip(vr) {
-                        *o = p.mul_add(x, *o);
-                    }
+    let values = pages.iter().map(|p| p.1);
+    for_each_row(values, page_size, len, kv_dim, |pos, row| {
+        for g in 0..n_kv_head {
+            let vr = &row[g * hd..(g + 1) * hd];
+            for h in g * rep..(g + 1) * rep {
+                let p = scores[h * kv_len + pos];
+                for (o, &x) in out[h * hd..(h + 1) * hd].iter_mut().zip(vr) {
+                    *o = p.mul_add(x, *o);
                 }
             }
         }
-    }
+    });
 }
 
 #[cfg(test)]
