@@ -1,7 +1,6 @@
 //! The control plane over real HTTP on loopback, with the embedded node on the real bundled
 //! models and SQLite under a temporary data dir.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use bulkhead_platform::config::ServeConfig;
@@ -10,19 +9,11 @@ use bulkhead_runtime::node::{MINILM_NAME, SMOLLM2_NAME};
 use serde_json::{Value, json};
 
 mod common;
+use common::server::Server;
 use common::{REDIS, drop_schema, postgres_schema, rand_suffix};
 
 const TEXT: &str = SMOLLM2_NAME;
 const EMBED: &str = MINILM_NAME;
-
-struct Server {
-    addr: SocketAddr,
-    admin: String,
-    http: reqwest::Client,
-    data: PathBuf,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-    done: Option<tokio::task::JoinHandle<()>>,
-}
 
 fn temp_dir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!(
@@ -50,85 +41,9 @@ fn config(data: &std::path::Path, limits: RateLimits) -> ServeConfig {
 }
 
 impl Server {
-    async fn start_with(data: PathBuf, cfg: ServeConfig) -> Server {
-        let (state, _) = bulkhead_platform::serve::build(&cfg).await.unwrap();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let done = tokio::spawn(async move {
-            bulkhead_platform::serve::run(state, listener, async {
-                let _ = rx.await;
-            })
-            .await
-            .unwrap();
-        });
-        Server {
-            addr,
-            admin: cfg.admin_token.clone().unwrap(),
-            http: reqwest::Client::new(),
-            data,
-            shutdown: Some(tx),
-            done: Some(done),
-        }
-    }
-
     async fn start(tag: &str) -> Server {
         let data = temp_dir(tag);
-        let cfg = config(&data, RateLimits::default());
-        Server::start_with(data, cfg).await
-    }
-
-    async fn stop(mut self) -> PathBuf {
-        let _ = self.shutdown.take().unwrap().send(());
-        self.done.take().unwrap().await.unwrap();
-        self.data.clone()
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.addr)
-    }
-
-    async fn admin_call(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> (u16, Value) {
-        let mut r = self
-            .http
-            .request(method, self.url(path))
-            .bearer_auth(&self.admin);
-        if let Some(b) = body {
-            r = r.json(&b);
-        }
-        let resp = r.send().await.unwrap();
-        (resp.status().as_u16(), resp.json().await.unwrap())
-    }
-
-    /// A new tenant and a token for it: (account id, token id, secret).
-    async fn tenant(&self, name: &str) -> (String, String, String) {
-        let (s, t) = self
-            .admin_call(
-                reqwest::Method::POST,
-                "/admin/v1/tenants",
-                Some(json!({"name": name})),
-            )
-            .await;
-        assert_eq!(s, 200, "{t}");
-        let id = t["result"]["id"].as_str().unwrap().to_string();
-        let (s, tok) = self
-            .admin_call(
-                reqwest::Method::POST,
-                &format!("/admin/v1/tenants/{id}/tokens"),
-                Some(json!({"name": "test"})),
-            )
-            .await;
-        assert_eq!(s, 200, "{tok}");
-        (
-            id,
-            tok["result"]["id"].as_str().unwrap().into(),
-            tok["result"]["token"].as_str().unwrap().into(),
-        )
+        Server::start_with(config(&data, RateLimits::default())).await
     }
 
     async fn run(
@@ -392,7 +307,7 @@ async fn rate_limits_answer_429_with_retry_after() {
             embeddings_per_min: 3000,
         },
     );
-    let srv = Server::start_with(data, cfg).await;
+    let srv = Server::start_with(cfg).await;
     let (statuses, b, h) = three_in_one_window([&srv, &srv, &srv]).await;
     assert_eq!(statuses, [200, 200, 429]);
     assert_error(429, &b, 429, 3021);
@@ -510,7 +425,7 @@ async fn publishing_a_model_whose_node_pool_is_too_small_fails_with_409_and_numb
         .await
         .unwrap();
     drop(store);
-    let srv = Server::start_with(data, cfg).await;
+    let srv = Server::start_with(cfg).await;
     let path = format!("/admin/v1/models/{}", TEXT.replace('/', "%2F"));
     let (s, b) = srv
         .admin_call(
@@ -728,7 +643,7 @@ async fn a_restart_loses_nothing() {
     assert_eq!(s, 200);
     let data = srv.stop().await;
     let cfg = config(&data, RateLimits::default());
-    let srv = Server::start_with(data, cfg).await;
+    let srv = Server::start_with(cfg).await;
     // The token still works, the model is still private, the audit entry is still there.
     let (s, b, _) = json_of(srv.run(&acct, &tok, EMBED, json!({"text": "hi"})).await).await;
     assert_error(s, &b, 400, 5007);
@@ -767,7 +682,7 @@ async fn replicas(limits: RateLimits) -> (Vec<Server>, String) {
         cfg.database_url = Some(url.clone());
         cfg.redis_url = Some(REDIS.into());
         cfg.redis_prefix = prefix.clone();
-        replicas.push(Server::start_with(data, cfg).await);
+        replicas.push(Server::start_with(cfg).await);
     }
     (replicas, admin_url)
 }

@@ -1,6 +1,8 @@
 //! Helpers shared by the control-plane integration tests.
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod server;
+
 pub const REDIS: &str = "redis://127.0.0.1:6379";
 
 pub fn rand_suffix() -> u64 {
