@@ -390,7 +390,7 @@ fn node_view(
     })
 }
 
-/// `POST /internal/v1/nodes/heartbeat` (admin or node token): a remote node reports its
+/// `POST /internal/v1/nodes/heartbeat` (admin token): a remote node reports its
 /// state. A model the catalog does not know yet is added private: it goes public only
 /// through the publish gate.
 pub async fn node_heartbeat(
