@@ -164,6 +164,8 @@ fn config(tag: &str) -> ServeConfig {
 }
 
 fn main() {
+    // SAFETY: first thing in `main`, before any thread exists. As `bulkhead` does.
+    unsafe { bulkhead_platform::init_compute_threads() };
     if !std::env::args().any(|a| a == "--bench") {
         println!(
             "control-plane latency benchmark: run it with `cargo bench -p bulkhead-platform --bench control_plane_latency`"

@@ -32,6 +32,8 @@ async fn timed(http: &reqwest::Client, req: reqwest::RequestBuilder) -> f64 {
 }
 
 fn main() {
+    // SAFETY: first thing in `main`, before any thread exists. As `bulkhead` does.
+    unsafe { bulkhead_platform::init_compute_threads() };
     if !std::env::args().any(|a| a == "--bench") {
         println!("workers benchmark: `cargo bench -p bulkhead-platform --bench workers`");
         return;

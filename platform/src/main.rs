@@ -134,24 +134,9 @@ struct NodeArgs {
     transfer_lease_ms: Option<u64>,
 }
 
-/// Gives candle's matmuls every CPU unless the operator chose (`RAYON_NUM_THREADS` or
-/// `CANDLE_NUM_THREADS`). Without either, candle counts physical cores by parsing
-/// /proc/cpuinfo on every matmul, and on this 2-vCPU VM it came to one thread: a short
-/// embedding's node time through `bulkhead serve` went from ~14.7 ms to ~11.3 ms (p50).
-fn set_compute_threads() {
-    if std::env::var_os("RAYON_NUM_THREADS").is_some()
-        || std::env::var_os("CANDLE_NUM_THREADS").is_some()
-    {
-        return;
-    }
-    let n = std::thread::available_parallelism().map_or(1, |n| n.get());
-    // SAFETY: called first thing in `main`, before any thread (runtime, logger, pool)
-    // exists, so nothing can read the environment concurrently.
-    unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
-}
-
 fn main() -> std::process::ExitCode {
-    set_compute_threads();
+    // SAFETY: first thing in `main`, before any thread exists.
+    unsafe { bulkhead_platform::init_compute_threads() };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
