@@ -163,6 +163,23 @@ fn config(tag: &str) -> ServeConfig {
     cfg
 }
 
+fn print_header() {
+    println!(
+        "{:<26} {:>5} {:>12} {:>12} {:>12} {:>12} {:>10} {:>10}",
+        "backend", "conc", "node p50", "node p99", "cp p50", "cp p99", "+p50", "+p99"
+    );
+}
+
+/// One table row: the direct (node) and control-plane distributions, and their differences.
+fn print_row(name: &str, conc: usize, cp: &[Duration], node: &[Duration]) {
+    let (n50, n99, c50, c99) = (pct(node, 0.5), pct(node, 0.99), pct(cp, 0.5), pct(cp, 0.99));
+    println!(
+        "{name:<26} {conc:>5} {n50:>12.3} {n99:>12.3} {c50:>12.3} {c99:>12.3} {:>10.3} {:>10.3}",
+        c50 - n50,
+        c99 - n99
+    );
+}
+
 fn main() {
     // SAFETY: first thing in `main`, before any thread exists. As `bulkhead` does.
     unsafe { bulkhead_platform::init_compute_threads() };
@@ -183,10 +200,7 @@ fn main() {
         setups.push(("postgres + redis", pg));
         let mut outside = Vec::new();
         println!("end to end (ms)");
-        println!(
-            "{:<26} {:>5} {:>12} {:>12} {:>12} {:>12} {:>10} {:>10}",
-            "backend", "conc", "node p50", "node p99", "cp p50", "cp p99", "+p50", "+p99"
-        );
+        print_header();
         for (name, cfg) in setups {
             let (cp, direct) = setup(name, cfg).await;
             // warm-up
@@ -205,17 +219,7 @@ fn main() {
                     sorted(a.iter().map(|s| s.latency)),
                     sorted(b.iter().map(|s| s.latency)),
                 );
-                println!(
-                    "{:<26} {:>5} {:>12.3} {:>12.3} {:>12.3} {:>12.3} {:>10.3} {:>10.3}",
-                    name,
-                    conc,
-                    pct(&lb, 0.5),
-                    pct(&lb, 0.99),
-                    pct(&la, 0.5),
-                    pct(&la, 0.99),
-                    pct(&la, 0.5) - pct(&lb, 0.5),
-                    pct(&la, 0.99) - pct(&lb, 0.99)
-                );
+                print_row(name, conc, &la, &lb);
                 let (oa, ob) = (
                     sorted(a.iter().map(|s| s.latency.saturating_sub(s.model))),
                     sorted(b.iter().map(|s| s.latency.saturating_sub(s.model))),
@@ -224,22 +228,9 @@ fn main() {
             }
         }
         println!("outside the model: latency minus Server-Timing, per request (ms)");
-        println!(
-            "{:<26} {:>5} {:>12} {:>12} {:>12} {:>12} {:>10} {:>10}",
-            "backend", "conc", "node p50", "node p99", "cp p50", "cp p99", "+p50", "+p99"
-        );
+        print_header();
         for (name, conc, oa, ob) in outside {
-            println!(
-                "{:<26} {:>5} {:>12.3} {:>12.3} {:>12.3} {:>12.3} {:>10.3} {:>10.3}",
-                name,
-                conc,
-                pct(&ob, 0.5),
-                pct(&ob, 0.99),
-                pct(&oa, 0.5),
-                pct(&oa, 0.99),
-                pct(&oa, 0.5) - pct(&ob, 0.5),
-                pct(&oa, 0.99) - pct(&ob, 0.99)
-            );
+            print_row(name, conc, &oa, &ob);
         }
     });
 }

@@ -155,26 +155,43 @@ mod avx2 {
         let a: [&[BlockQ8_1]; R] = std::array::from_fn(|r| &a[r][..nb]);
         let w: [&[BlockQ4_1]; 4] = std::array::from_fn(|c| &w[c][..nb]);
         let mut acc = [_mm_setzero_ps(); R];
-        let ones = _mm256_set1_epi16(1);
-        for b in 0..nb {
-            let wx: [__m256i; 4] = std::array::from_fn(|c| nibbles(&w[c][b].qs));
-            let wd = _mm_set_ps(w[3][b].d, w[2][b].d, w[1][b].d, w[0][b].d);
-            let wm = _mm_set_ps(w[3][b].m, w[2][b].m, w[1][b].m, w[0][b].m);
-            for r in 0..R {
-                let ab = &a[r][b];
-                let y = load_i8x32(&ab.qs);
-                let v: [__m256i; 4] = std::array::from_fn(|c| {
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(wx[c], y), ones)
-                });
-                let isum = _mm_cvtepi32_ps(hsum4_epi32(&v));
-                let t = _mm_mul_ps(_mm_mul_ps(isum, wd), _mm_set1_ps(ab.d));
-                let t = _mm_add_ps(t, _mm_mul_ps(wm, _mm_set1_ps(ab.s)));
-                acc[r] = _mm_add_ps(acc[r], t);
-            }
+        let rows = w[0].iter().zip(w[1]).zip(w[2]).zip(w[3]);
+        for (b, (((w0, w1), w2), w3)) in rows.enumerate() {
+            let x = [w0, w1, w2, w3];
+            let wx: [__m256i; 4] = std::array::from_fn(|c| nibbles(&x[c].qs));
+            let wd = _mm_set_ps(w3.d, w2.d, w1.d, w0.d);
+            let wm = _mm_set_ps(w3.m, w2.m, w1.m, w0.m);
+            q4_1_block(&a, b, &wx, wd, wm, &mut acc);
         }
         for r in 0..R {
             // SAFETY: `out[r]` is 4 writable f32; the store is unaligned.
             unsafe { _mm_storeu_ps(out[r].as_mut_ptr(), acc[r]) };
+        }
+    }
+
+    /// Adds block `b` of each activation row to `acc[r]` (one lane per weight row): the
+    /// integer dot against the 4 unpacked weight rows `wx`, then `d_w d_a isum + m_w s_a`,
+    /// in ggml's order. Shared by both Q4_1 tile layouts.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn q4_1_block<const R: usize>(
+        a: &[&[BlockQ8_1]; R],
+        b: usize,
+        wx: &[__m256i; 4],
+        wd: __m128,
+        wm: __m128,
+        acc: &mut [__m128; R],
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        for r in 0..R {
+            let ab = &a[r][b];
+            let y = load_i8x32(&ab.qs);
+            let v: [__m256i; 4] =
+                std::array::from_fn(|c| _mm256_madd_epi16(_mm256_maddubs_epi16(wx[c], y), ones));
+            let isum = _mm_cvtepi32_ps(hsum4_epi32(&v));
+            let t = _mm_mul_ps(_mm_mul_ps(isum, wd), _mm_set1_ps(ab.d));
+            let t = _mm_add_ps(t, _mm_mul_ps(wm, _mm_set1_ps(ab.s)));
+            acc[r] = _mm_add_ps(acc[r], t);
         }
     }
 
@@ -190,7 +207,6 @@ mod avx2 {
         let a: [&[BlockQ8_1]; R] = std::array::from_fn(|r| &a[r][..nb]);
         let g = &g[..nb];
         let mut acc = [_mm_setzero_ps(); R];
-        let ones = _mm256_set1_epi16(1);
         for (b, x) in g.iter().enumerate() {
             // SAFETY: `d` and `m` are 8 readable bytes each; the loads are unaligned.
             let (wd, wm) = unsafe {
@@ -200,17 +216,7 @@ mod avx2 {
                 )
             };
             let wx: [__m256i; 4] = std::array::from_fn(|c| nibbles(&x.qs[c]));
-            for r in 0..R {
-                let ab = &a[r][b];
-                let y = load_i8x32(&ab.qs);
-                let v: [__m256i; 4] = std::array::from_fn(|c| {
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(wx[c], y), ones)
-                });
-                let isum = _mm_cvtepi32_ps(hsum4_epi32(&v));
-                let t = _mm_mul_ps(_mm_mul_ps(isum, wd), _mm_set1_ps(ab.d));
-                let t = _mm_add_ps(t, _mm_mul_ps(wm, _mm_set1_ps(ab.s)));
-                acc[r] = _mm_add_ps(acc[r], t);
-            }
+            q4_1_block(&a, b, &wx, wd, wm, &mut acc);
         }
         for r in 0..R {
             // SAFETY: `out[r]` is 4 writable f32; the store is unaligned.
