@@ -318,8 +318,8 @@ impl WorkerHost {
                 // `keep_resident` bytes back on every reset, dirty or not: slower than
                 // letting the pages fault back in, so keep nothing resident.
                 tracing::info!(
-                    "worker instance pool: PAGEMAP_SCAN unavailable ({e:#}); instance memory \
-                     is not kept resident between requests"
+                    "worker instance pool: no engine with PAGEMAP_SCAN ({e:#}); trying again \
+                     without keeping instance memory resident between requests"
                 );
                 let cfg = WorkersConfig {
                     keep_resident_mib: 0,
