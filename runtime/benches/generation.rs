@@ -158,8 +158,11 @@ fn main() -> anyhow::Result<()> {
     run_streams(&engine, &short_prompt, 1, 4);
 
     // Prompt processing: time to the first token of a 512-token prompt (one prefill step).
+    // `BENCH_ONLY=prefill|1|4|16` runs one phase alone (to profile it); the others print 0.
+    let only = std::env::var("BENCH_ONLY").ok();
+    let runs_phase = |phase: &str| only.as_deref().is_none_or(|o| o == phase);
     let mut prefill_best = 0f64;
-    for _ in 0..3 {
+    for _ in 0..if runs_phase("prefill") { 3 } else { 0 } {
         let (start, runs) = run_streams(&engine, &long_prompt, 1, 1);
         let t = (runs[0].first_token_at.unwrap() - start).as_secs_f64();
         prefill_best = prefill_best.max(real_prompt_tokens as f64 / t);
@@ -167,7 +170,7 @@ fn main() -> anyhow::Result<()> {
     let mut streams = Vec::new();
     for n in [1usize, 4, 16] {
         let mut best = 0f64;
-        for _ in 0..2 {
+        for _ in 0..if runs_phase(&n.to_string()) { 2 } else { 0 } {
             let (_, runs) = run_streams(&engine, &short_prompt, n, DECODE_TOKENS);
             best = best.max(aggregate_decode(&runs));
         }

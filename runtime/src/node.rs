@@ -301,7 +301,9 @@ impl Node {
         let (data, tokens) = tokio::task::spawn_blocking(move || {
             let _permit = permit;
             let counts = embedder.admit(&texts)?;
-            let data = embedder.embed(&texts)?;
+            // On a rayon worker, so candle's parallel matmuls start there instead of handing
+            // off to the pool and sleeping once each (see the engine's step).
+            let data = rayon::scope(|_| embedder.embed(&texts))?;
             Ok::<_, RuntimeError>((data, counts.iter().sum::<usize>()))
         })
         .await

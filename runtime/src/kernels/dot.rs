@@ -114,13 +114,30 @@ mod avx2 {
         _mm256_and_si256(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(0x0F))
     }
 
-    /// Unsigned bytes times signed bytes, summed into 8 i32 lanes, as floats. With unsigned
-    /// values below 128 and signed ones of magnitude at most 127, no i16 pair saturates.
+    /// Unsigned bytes times signed bytes, each group of 4 products summed into one of 8 i32
+    /// lanes. One VNNI instruction where the CPU has AVX-512 VNNI; otherwise AVX2's
+    /// `maddubs` (pairs to i16) and `madd` (pairs to i32). The sums are the same: with
+    /// unsigned values below 128 and signed ones of magnitude at most 127, no i16 pair
+    /// saturates.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn dot4_u8_i8(ux: __m256i, sy: __m256i) -> __m256i {
+        #[cfg(all(target_feature = "avx512vnni", target_feature = "avx512vl"))]
+        // SAFETY: this build targets CPUs with AVX-512 VNNI and VL (the cfg above).
+        unsafe {
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), ux, sy)
+        }
+        #[cfg(not(all(target_feature = "avx512vnni", target_feature = "avx512vl")))]
+        {
+            _mm256_madd_epi16(_mm256_maddubs_epi16(ux, sy), _mm256_set1_epi16(1))
+        }
+    }
+
+    /// [`dot4_u8_i8`] as floats.
     #[inline]
     #[target_feature(enable = "avx2")]
     fn dot_u8_i8(ux: __m256i, sy: __m256i) -> __m256 {
-        let pairs = _mm256_maddubs_epi16(ux, sy);
-        _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        _mm256_cvtepi32_ps(dot4_u8_i8(ux, sy))
     }
 
     #[inline]
@@ -182,12 +199,10 @@ mod avx2 {
         wm: __m128,
         acc: &mut [__m128; R],
     ) {
-        let ones = _mm256_set1_epi16(1);
         for r in 0..R {
             let ab = &a[r][b];
             let y = load_i8x32(&ab.qs);
-            let v: [__m256i; 4] =
-                std::array::from_fn(|c| _mm256_madd_epi16(_mm256_maddubs_epi16(wx[c], y), ones));
+            let v: [__m256i; 4] = std::array::from_fn(|c| dot4_u8_i8(wx[c], y));
             let isum = _mm_cvtepi32_ps(hsum4_epi32(&v));
             let t = _mm_mul_ps(_mm_mul_ps(isum, wd), _mm_set1_ps(ab.d));
             let t = _mm_add_ps(t, _mm_mul_ps(wm, _mm_set1_ps(ab.s)));
