@@ -47,6 +47,8 @@ pub fn router(state: SharedState) -> Router {
                 .delete(workers::delete_script),
         )
         .route("/workers/{account_id}/{name}", any(workers::invoke_by_path))
+        // `{*rest}` does not match an empty rest: the worker's root with a trailing slash.
+        .route("/workers/{account_id}/{name}/", any(workers::invoke_by_path))
         .route(
             "/workers/{account_id}/{name}/{*rest}",
             any(workers::invoke_by_path),

@@ -196,6 +196,13 @@ async fn deploys_are_validated_listed_deleted_and_audited() {
 
     let (s, t) = text_of(srv.call(&acct, "hello", "/o").await).await;
     assert_eq!((s, t.as_str()), (200, "ok 1"));
+    // The worker's root, with and without the trailing slash (the README's example), reaches
+    // the worker: its own answer to a path it does not know is 404 "ok" (the router's own
+    // 404 would have no body).
+    for root in ["/", ""] {
+        let (s, t) = text_of(srv.call(&acct, "hello", root).await).await;
+        assert_eq!((s, t.as_str()), (404, "ok"), "path {root:?}");
+    }
     // The other tenant has no worker of that name, and cannot list this account's.
     let (s, b) = json_of(srv.call(&other, "hello", "/o").await).await;
     assert_error(s, &b, 404, 10007);
