@@ -137,6 +137,27 @@ pub fn attend_token(
             }
         }
     });
+    softmax_then_values(heads, scores, pages, page_size, len, kv_len, out);
+}
+
+/// The second half of attention for one query: `scores` (`[n_head][kv_len]`, live up to
+/// `len`, the rest zero) become probabilities, then `out` = their weighted sum of V rows.
+fn softmax_then_values(
+    heads: Heads,
+    scores: &mut [f32],
+    pages: &[PageKv<'_>],
+    page_size: usize,
+    len: usize,
+    kv_len: usize,
+    out: &mut [f32],
+) {
+    let Heads {
+        n_head: _,
+        n_kv_head,
+        head_dim: hd,
+    } = heads;
+    let kv_dim = n_kv_head * hd;
+    let rep = heads.n_head / n_kv_head;
     for row in scores.chunks_exact_mut(kv_len) {
         let (live, _masked) = row.split_at_mut(len);
         let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
@@ -162,6 +183,117 @@ pub fn attend_token(
             }
         }
     });
+}
+
+/// Query rows [`attend_rows`] scores side by side, one SIMD lane each.
+pub const ROW_BLOCK: usize = 8;
+
+/// [`attend_token`] for `ROW_BLOCK` consecutive query tokens of one segment at once, when the
+/// reference uses one fused multiply-add chain per score (more than 256 score entries). Row
+/// `r` is the query at position `first + r` (so it sees `first + r + 1` positions); `qs[r]`
+/// and `outs[r]` are its query and output. Each score is the same chain as
+/// [`attend_token`]'s, bit for bit, but the 8 rows' chains run in the 8 lanes of one vector,
+/// with the query transposed once per block, instead of one scalar chain at a time.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_rows(
+    heads: Heads,
+    qs: &[&[f32]; ROW_BLOCK],
+    pages: &[PageKv<'_>],
+    page_size: usize,
+    first: usize,
+    kv_len: usize,
+    outs: &mut [&mut [f32]; ROW_BLOCK],
+    scratch: &mut Vec<f32>,
+) {
+    let Heads {
+        n_head,
+        n_kv_head,
+        head_dim: hd,
+    } = heads;
+    let kv_dim = n_kv_head * hd;
+    let rep = n_head / n_kv_head;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let len = first + ROW_BLOCK; // positions the last row sees
+    let kv_len = kv_len.max(len);
+    debug_assert!(len <= pages.len() * page_size);
+    // The block's queries transposed: `qt[(h * hd + i) * 8 + r]`.
+    let mut qt = vec![0f32; n_head * hd * ROW_BLOCK];
+    for (r, q) in qs.iter().enumerate() {
+        for (j, &v) in q[..n_head * hd].iter().enumerate() {
+            qt[j * ROW_BLOCK + r] = v;
+        }
+    }
+    let mut keys: Vec<&[f32]> = Vec::with_capacity(len);
+    for_each_row(
+        pages.iter().map(|p| p.0),
+        page_size,
+        len,
+        kv_dim,
+        |_, row| keys.push(row),
+    );
+    scratch.clear();
+    scratch.resize(ROW_BLOCK * n_head * kv_len, 0.0);
+    let (rows_scores, _) = scratch.split_at_mut(ROW_BLOCK * n_head * kv_len);
+    for h in 0..n_head {
+        let koff = (h / rep) * hd;
+        let qh = &qt[h * hd * ROW_BLOCK..(h + 1) * hd * ROW_BLOCK];
+        let mut store = |pos: usize, acc: &[f32; ROW_BLOCK]| {
+            for (r, &v) in acc.iter().enumerate() {
+                // Row r sees positions 0..=first + r; later ones stay zero (masked).
+                if pos <= first + r {
+                    rows_scores[(r * n_head + h) * kv_len + pos] = v * scale;
+                }
+            }
+        };
+        // Four positions at a time: four independent chains keep the FMA units busy.
+        let mut pos = 0;
+        while pos + 4 <= len {
+            let k: [&[f32]; 4] = std::array::from_fn(|p| &keys[pos + p][koff..koff + hd]);
+            let mut acc = [[0f32; ROW_BLOCK]; 4];
+            for i in 0..hd {
+                let qv = &qh[i * ROW_BLOCK..(i + 1) * ROW_BLOCK];
+                for p in 0..4 {
+                    for r in 0..ROW_BLOCK {
+                        acc[p][r] = qv[r].mul_add(k[p][i], acc[p][r]);
+                    }
+                }
+            }
+            for (p, a) in acc.iter().enumerate() {
+                store(pos + p, a);
+            }
+            pos += 4;
+        }
+        while pos < len {
+            let k = &keys[pos][koff..koff + hd];
+            let mut acc = [0f32; ROW_BLOCK];
+            for i in 0..hd {
+                let qv = &qh[i * ROW_BLOCK..(i + 1) * ROW_BLOCK];
+                for r in 0..ROW_BLOCK {
+                    acc[r] = qv[r].mul_add(k[i], acc[r]);
+                }
+            }
+            store(pos, &acc);
+            pos += 1;
+        }
+    }
+    for (r, out) in outs.iter_mut().enumerate() {
+        let row_scores = &mut rows_scores[r * n_head * kv_len..(r + 1) * n_head * kv_len];
+        softmax_then_values(
+            heads,
+            row_scores,
+            pages,
+            page_size,
+            first + r + 1,
+            kv_len,
+            out,
+        );
+    }
+}
+
+/// Whether [`attend_rows`] computes the reference's sums for a segment of `rows` query
+/// tokens over `kv_len` keys (it uses the single-chain scores).
+pub fn rows_block_applies(rows: usize, kv_len: usize) -> bool {
+    rows * kv_len > HORIZONTAL_MAX
 }
 
 #[cfg(test)]
@@ -254,6 +386,80 @@ mod tests {
             for ((a, b), c) in out.iter().zip(&want).zip(&out2) {
                 assert!((a - b).abs() < 1e-5, "len {len}: {a} vs {b}");
                 assert!((c - b).abs() < 1e-5, "len {len}: {c} vs {b}");
+            }
+        }
+    }
+
+    /// A block of 8 query rows through `attend_rows` gives exactly (bit for bit) what each row
+    /// gives through `attend_token`, for blocks at the start, in the middle, across pages,
+    /// and ending on the last position, with the NaN-poisoned slots past the end unread.
+    #[test]
+    fn row_blocks_are_bit_identical_to_single_rows() {
+        let heads = Heads {
+            n_head: 9,
+            n_kv_head: 3,
+            head_dim: 64,
+        };
+        let kv_dim = heads.n_kv_head * heads.head_dim;
+        let d = heads.n_head * heads.head_dim;
+        let page_size = 16;
+        let mut seed = 7u32;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
+            (seed >> 8) as f32 / (1 << 24) as f32 - 0.5
+        };
+        let total = 45; // the segment's key length: 3 pages, the last one part-filled
+        let mut pk = vec![f32::NAN; 3 * page_size * kv_dim];
+        let mut pv = vec![f32::NAN; 3 * page_size * kv_dim];
+        for x in &mut pk[..total * kv_dim] {
+            *x = rnd() * 3.0;
+        }
+        for x in &mut pv[..total * kv_dim] {
+            *x = rnd();
+        }
+        let pages: Vec<PageKv> = pk
+            .chunks(page_size * kv_dim)
+            .zip(pv.chunks(page_size * kv_dim))
+            .collect();
+        let q: Vec<f32> = (0..ROW_BLOCK * d).map(|_| rnd() * 3.0).collect();
+        let rows = 40; // query rows of the segment: 40 x 45 score entries, single chains
+        assert!(rows_block_applies(rows, total));
+        let mut scratch = Vec::new();
+        for first in [0, 13, 16, total - ROW_BLOCK] {
+            let qs: [&[f32]; ROW_BLOCK] = std::array::from_fn(|r| &q[r * d..(r + 1) * d]);
+            let mut block = vec![0f32; ROW_BLOCK * d];
+            let mut it = block.chunks_exact_mut(d);
+            let mut outs: [&mut [f32]; ROW_BLOCK] = std::array::from_fn(|_| it.next().unwrap());
+            attend_rows(
+                heads,
+                &qs,
+                &pages,
+                page_size,
+                first,
+                total,
+                &mut outs,
+                &mut scratch,
+            );
+            for r in 0..ROW_BLOCK {
+                let mut one = vec![0f32; d];
+                attend_token(
+                    heads,
+                    qs[r],
+                    &pages,
+                    page_size,
+                    first + r + 1,
+                    total,
+                    rows,
+                    &mut one,
+                    &mut scratch,
+                );
+                let got = &block[r * d..(r + 1) * d];
+                assert!(got.iter().all(|x| x.is_finite()), "first {first} row {r}");
+                let same = got
+                    .iter()
+                    .zip(&one)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "first {first} row {r}: block and single row differ");
             }
         }
     }

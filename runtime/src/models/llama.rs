@@ -367,12 +367,43 @@ impl LlamaModel {
                     }
                 }
             };
+            // Blocks of ROW_BLOCK query tokens: a block of one segment's consecutive tokens
+            // whose scores are single chains goes through `attend_rows` (the same sums, 8
+            // rows per vector); any other block token by token.
+            const B: usize = attention::ROW_BLOCK;
+            let attend_block = |scores: &mut Vec<f32>, (bi, out): (usize, &mut [f32])| {
+                let t0 = bi * B;
+                let rows = out.len() / d;
+                let seg = at[t0].segment;
+                let whole = rows == B
+                    && (0..B)
+                        .all(|r| at[t0 + r].segment == seg && at[t0 + r].pos == at[t0].pos + r);
+                if let (true, Some(p)) = (whole, &pages[seg]) {
+                    let (kv_len, seg_rows) = shape[seg];
+                    if attention::rows_block_applies(seg_rows, kv_len) {
+                        let qs: [&[f32]; B] = std::array::from_fn(|r| {
+                            let ti = t0 + r;
+                            &qkv[ti * qkv_dim..ti * qkv_dim + d]
+                        });
+                        let mut it = out.chunks_exact_mut(d);
+                        let mut outs: [&mut [f32]; B] =
+                            std::array::from_fn(|_| it.next().expect("B rows"));
+                        attention::attend_rows(
+                            heads, &qs, p, page_size, at[t0].pos, kv_len, &mut outs, scores,
+                        );
+                        return;
+                    }
+                }
+                for (r, o) in out.chunks_exact_mut(d).enumerate() {
+                    attend(scores, (t0 + r, o));
+                }
+            };
             if t == 1 {
                 attend(&mut Vec::new(), (0, &mut att[..]));
             } else {
-                att.par_chunks_mut(d)
+                att.par_chunks_mut(B * d)
                     .enumerate()
-                    .for_each_init(Vec::new, attend);
+                    .for_each_init(Vec::new, attend_block);
             }
             drop(pages);
             drop(views);
