@@ -14,8 +14,8 @@ model="${BULKHEAD_MODELS:-$HOME/.cache/bulkhead/models}/smollm2-135m-instruct/Sm
 # The dev profile (opt-level 3 for every crate, see Cargo.toml) runs the bench binary, so
 # this reuses the test build instead of a separate release build; `--bench` makes it
 # measure. The bench fetches the models itself, and runs before llama.cpp needs the file.
-bench() { cargo test --quiet -p bulkhead-runtime --bench generation -- --bench; }
-cargo test --no-run -p bulkhead-runtime --bench generation 2>/dev/null
+bench() { cargo test --quiet --workspace --bench generation -- --bench; }
+cargo test --no-run --workspace --bench generation 2>/dev/null
 out=$(mktemp)
 for threads in 1 2; do
   for weights in q8_0 native; do
