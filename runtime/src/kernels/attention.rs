@@ -21,6 +21,23 @@ pub struct Heads {
     pub head_dim: usize,
 }
 
+impl Heads {
+    /// Floats per K (or V) row: all KV heads.
+    fn kv_dim(&self) -> usize {
+        self.n_kv_head * self.head_dim
+    }
+
+    /// Query heads per KV head (grouped-query attention).
+    fn rep(&self) -> usize {
+        self.n_head / self.n_kv_head
+    }
+
+    /// The scores' scale, `1 / sqrt(head_dim)`.
+    fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+}
+
 /// One page's K and V of one layer, `[page_size, kv_dim]` each (slots past the sequence's
 /// length are not read).
 pub type PageKv<'a> = (&'a [f32], &'a [f32]);
@@ -111,14 +128,8 @@ pub fn attend_token(
     out: &mut [f32],
     scores: &mut Vec<f32>,
 ) {
-    let Heads {
-        n_head,
-        n_kv_head,
-        head_dim: hd,
-    } = heads;
-    let kv_dim = n_kv_head * hd;
-    let rep = n_head / n_kv_head;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let (n_head, hd) = (heads.n_head, heads.head_dim);
+    let (kv_dim, rep, scale) = (heads.kv_dim(), heads.rep(), heads.scale());
     let kv_len = kv_len.max(len);
     let dot = if rows * kv_len <= HORIZONTAL_MAX {
         dot_lanes
@@ -130,7 +141,7 @@ pub fn attend_token(
     scores.resize(n_head * kv_len, 0.0);
     let keys = pages.iter().map(|p| p.0);
     for_each_row(keys, page_size, len, kv_dim, |pos, row| {
-        for g in 0..n_kv_head {
+        for g in 0..heads.n_kv_head {
             let kr = &row[g * hd..(g + 1) * hd];
             for h in g * rep..(g + 1) * rep {
                 scores[h * kv_len + pos] = dot(&q[h * hd..(h + 1) * hd], kr) * scale;
@@ -151,13 +162,8 @@ fn softmax_then_values(
     kv_len: usize,
     out: &mut [f32],
 ) {
-    let Heads {
-        n_head: _,
-        n_kv_head,
-        head_dim: hd,
-    } = heads;
-    let kv_dim = n_kv_head * hd;
-    let rep = heads.n_head / n_kv_head;
+    let hd = heads.head_dim;
+    let (kv_dim, rep) = (heads.kv_dim(), heads.rep());
     for row in scores.chunks_exact_mut(kv_len) {
         let (live, _masked) = row.split_at_mut(len);
         let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
@@ -173,7 +179,7 @@ fn softmax_then_values(
     out.fill(0.0);
     let values = pages.iter().map(|p| p.1);
     for_each_row(values, page_size, len, kv_dim, |pos, row| {
-        for g in 0..n_kv_head {
+        for g in 0..heads.n_kv_head {
             let vr = &row[g * hd..(g + 1) * hd];
             for h in g * rep..(g + 1) * rep {
                 let p = scores[h * kv_len + pos];
@@ -205,14 +211,8 @@ pub fn attend_rows(
     outs: &mut [&mut [f32]; ROW_BLOCK],
     scratch: &mut Vec<f32>,
 ) {
-    let Heads {
-        n_head,
-        n_kv_head,
-        head_dim: hd,
-    } = heads;
-    let kv_dim = n_kv_head * hd;
-    let rep = n_head / n_kv_head;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let (n_head, hd) = (heads.n_head, heads.head_dim);
+    let (kv_dim, rep, scale) = (heads.kv_dim(), heads.rep(), heads.scale());
     let len = first + ROW_BLOCK; // positions the last row sees
     let kv_len = kv_len.max(len);
     debug_assert!(len <= pages.len() * page_size);
