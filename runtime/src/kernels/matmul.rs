@@ -324,6 +324,23 @@ fn run_x4(g: &[BlockQ4_1x4], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, 
         let arow = |r: usize| &acts[r * kb..(r + 1) * kb];
         let mut r = 0;
         while r < t {
+            if t - r >= 2 * TR {
+                // Eight rows at a time where there are that many (prefill, wide batches):
+                // each weight block unpacked once for twice the rows.
+                let a: [&[BlockQ8_1]; 2 * TR] = std::array::from_fn(|i| arow(r + i));
+                for grp in g_begin..g_end {
+                    let mut o = [[0f32; 4]; 2 * TR];
+                    dot::tile_q4_1x4(&a, &g[grp * kb..(grp + 1) * kb], &mut o);
+                    for (i, row) in o.iter().enumerate() {
+                        for (j, &v) in row.iter().enumerate() {
+                            // SAFETY: row r+i < t and column grp*4+j in this task's groups.
+                            unsafe { out.write((r + i) * n + grp * 4 + j, v) };
+                        }
+                    }
+                }
+                r += 2 * TR;
+                continue;
+            }
             let rows = (t - r).min(TR);
             for grp in g_begin..g_end {
                 let gw = &g[grp * kb..(grp + 1) * kb];
