@@ -310,6 +310,11 @@ fn run<B: TileBlock>(w: &[B], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize,
     }
 }
 
+/// Whether [`run_x4`] uses 8-row tiles: only with AVX-512's 32 vector registers, where the
+/// 8 accumulators, 4 unpacked weight rows and temporaries fit (measured there: +15-25%
+/// prefill and 16-stream decode); AVX2's 16 would spill, and that case was not measured.
+const WIDE_ROW_TILES: bool = cfg!(all(target_arch = "x86_64", target_feature = "avx512vl"));
+
 /// [`run`] for interleaved Q4_1 groups (`n % 4 == 0`): chunks of whole groups.
 fn run_x4(g: &[BlockQ4_1x4], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, y: &mut [f32]) {
     let groups = n / 4;
@@ -324,7 +329,7 @@ fn run_x4(g: &[BlockQ4_1x4], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, 
         let arow = |r: usize| &acts[r * kb..(r + 1) * kb];
         let mut r = 0;
         while r < t {
-            if t - r >= 2 * TR {
+            if WIDE_ROW_TILES && t - r >= 2 * TR {
                 // Eight rows at a time where there are that many (prefill, wide batches):
                 // each weight block unpacked once for twice the rows.
                 let a: [&[BlockQ8_1]; 2 * TR] = std::array::from_fn(|i| arow(r + i));
