@@ -17,6 +17,17 @@ use bulkhead_platform::config::ServeConfig;
 use bulkhead_runtime::node::MINILM_NAME;
 use serde_json::json;
 
+/// This process's minor page faults so far (`/proc/self/stat`, field 10).
+fn minor_faults() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name, which is in parentheses and may contain spaces.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    rest.split_whitespace()
+        .nth(7)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
 fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[((v.len() as f64 - 1.0) * p).round() as usize]
@@ -144,6 +155,30 @@ fn main() {
         }
         let n = 300;
         let (mut w_embed, mut r_embed, mut w_echo, mut r_health) = (vec![], vec![], vec![], vec![]);
+        // Page faults of a stretch of worker requests alone (the whole process, so the
+        // client's and the server's side together; REST shows the baseline).
+        let faults = |url: String, post: bool| {
+            let http = &http;
+            let token = &token;
+            async move {
+                let before = minor_faults();
+                for _ in 0..100 {
+                    let req = if post {
+                        http.post(&url).bearer_auth(token).json(&json!({"text": "hi"}))
+                    } else {
+                        http.get(&url)
+                    };
+                    timed(http, req).await;
+                }
+                (minor_faults() - before) as f64 / 100.0
+            }
+        };
+        let f_echo = faults(format!("{worker}/echo"), false).await;
+        let f_embed = faults(format!("{worker}/embed-one?q=hi"), false).await;
+        let f_rest = faults(rest.clone(), true).await;
+        println!(
+            "minor page faults per request: worker /echo {f_echo:.1}, worker /embed-one {f_embed:.1}, REST embedding {f_rest:.1}"
+        );
         for _ in 0..n {
             w_embed.push(timed(&http, http.get(format!("{worker}/embed-one?q=hi"))).await);
             r_embed.push(timed(&http, http.post(&rest).bearer_auth(&token).json(&json!({"text": "hi"}))).await);
