@@ -269,8 +269,9 @@ fn check_preamble(bytes: &[u8]) -> Result<(), ApiError> {
 /// them back to the image on reset (found with `PAGEMAP_SCAN`, required by `pagemap`
 /// `Yes`; the wasmtime vendored in `third_party/` reads up to 1024 dirty regions per scan
 /// where stock 48 stopped at 32 and decommitted the rest), so the next instance does not
-/// take a copy-on-write fault, and a TLB shootdown across cores, on each of them again. Either way every instance starts from the pristine
-/// image: nothing of one request is visible to the next.
+/// take a copy-on-write fault, and a TLB shootdown across cores, on each of them again.
+/// Either way every instance starts from the pristine image: nothing of one request is
+/// visible to the next.
 fn build_engine(cfg: &WorkersConfig, pagemap: Enabled) -> anyhow::Result<Engine> {
     let mut config = Config::new();
     config.wasm_component_model(true);

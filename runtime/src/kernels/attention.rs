@@ -216,8 +216,12 @@ pub fn attend_rows(
     let len = first + ROW_BLOCK; // positions the last row sees
     let kv_len = kv_len.max(len);
     debug_assert!(len <= pages.len() * page_size);
-    // The block's queries transposed: `qt[(h * hd + i) * 8 + r]`.
-    let mut qt = vec![0f32; n_head * hd * ROW_BLOCK];
+    // Scratch: the block's scores, `[row][head][kv_len]` (masked positions stay zero), then
+    // its queries transposed, `qt[(h * hd + i) * 8 + r]`.
+    let n_scores = ROW_BLOCK * n_head * kv_len;
+    scratch.clear();
+    scratch.resize(n_scores + n_head * hd * ROW_BLOCK, 0.0);
+    let (rows_scores, qt) = scratch.split_at_mut(n_scores);
     for (r, q) in qs.iter().enumerate() {
         for (j, &v) in q[..n_head * hd].iter().enumerate() {
             qt[j * ROW_BLOCK + r] = v;
@@ -231,9 +235,6 @@ pub fn attend_rows(
         kv_dim,
         |_, row| keys.push(row),
     );
-    scratch.clear();
-    scratch.resize(ROW_BLOCK * n_head * kv_len, 0.0);
-    let (rows_scores, _) = scratch.split_at_mut(ROW_BLOCK * n_head * kv_len);
     for h in 0..n_head {
         let koff = (h / rep) * hd;
         let qh = &qt[h * hd * ROW_BLOCK..(h + 1) * hd * ROW_BLOCK];

@@ -244,6 +244,27 @@ impl OutPtr {
         // SAFETY: guaranteed by the caller.
         unsafe { *self.0.add(i) = v }
     }
+
+    /// Writes an `R x C` tile at row `r`, column `c` of the `n`-column output.
+    ///
+    /// # Safety
+    /// Rows `r..r + R` and columns `c..c + C` are within the output and written by no
+    /// other task concurrently.
+    #[inline(always)]
+    unsafe fn write_tile<const R: usize, const C: usize>(
+        self,
+        n: usize,
+        r: usize,
+        c: usize,
+        tile: &[[f32; C]; R],
+    ) {
+        for (i, row) in tile.iter().enumerate() {
+            for (j, &v) in row.iter().enumerate() {
+                // SAFETY: guaranteed by the caller.
+                unsafe { self.write((r + i) * n + c + j, v) };
+            }
+        }
+    }
 }
 
 fn run<B: TileBlock>(w: &[B], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, y: &mut [f32]) {
@@ -270,22 +291,16 @@ fn run<B: TileBlock>(w: &[B], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize,
                     let a: [&[BlockQ8_1]; TR] = std::array::from_fn(|i| arow(r + i));
                     let ws: [&[B]; TC] = std::array::from_fn(|j| wrow(c + j));
                     B::tile(&a, &ws, &mut o);
-                    for (i, row) in o.iter().enumerate() {
-                        for (j, &v) in row.iter().enumerate() {
-                            // SAFETY: row r+i < t and column c+j in this task's own range.
-                            unsafe { out.write((r + i) * n + c + j, v) };
-                        }
-                    }
+                    // SAFETY: rows r.. < t and columns c.. in this task's own range.
+                    unsafe { out.write_tile(n, r, c, &o) };
                 } else if cols == TC {
                     // Leftover rows: one row against 4 columns.
                     for i in 0..rows {
                         let mut o = [[0f32; TC]; 1];
                         let ws: [&[B]; TC] = std::array::from_fn(|j| wrow(c + j));
                         B::tile(&[arow(r + i)], &ws, &mut o);
-                        for (j, &v) in o[0].iter().enumerate() {
-                            // SAFETY: row r+i < t and column c+j in this task's own range.
-                            unsafe { out.write((r + i) * n + c + j, v) };
-                        }
+                        // SAFETY: row r+i < t and columns c.. in this task's own range.
+                        unsafe { out.write_tile(n, r + i, c, &o) };
                     }
                 } else {
                     // Leftover columns (n not a multiple of 4): one at a time.
@@ -336,12 +351,8 @@ fn run_x4(g: &[BlockQ4_1x4], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, 
                 for grp in g_begin..g_end {
                     let mut o = [[0f32; 4]; 2 * TR];
                     dot::tile_q4_1x4(&a, &g[grp * kb..(grp + 1) * kb], &mut o);
-                    for (i, row) in o.iter().enumerate() {
-                        for (j, &v) in row.iter().enumerate() {
-                            // SAFETY: row r+i < t and column grp*4+j in this task's groups.
-                            unsafe { out.write((r + i) * n + grp * 4 + j, v) };
-                        }
-                    }
+                    // SAFETY: rows r.. < t, columns of group grp, one of this task's.
+                    unsafe { out.write_tile(n, r, grp * 4, &o) };
                 }
                 r += 2 * TR;
                 continue;
@@ -349,25 +360,18 @@ fn run_x4(g: &[BlockQ4_1x4], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, 
             let rows = (t - r).min(TR);
             for grp in g_begin..g_end {
                 let gw = &g[grp * kb..(grp + 1) * kb];
-                let c = grp * 4;
                 if rows == TR {
                     let mut o = [[0f32; 4]; TR];
                     let a: [&[BlockQ8_1]; TR] = std::array::from_fn(|i| arow(r + i));
                     dot::tile_q4_1x4(&a, gw, &mut o);
-                    for (i, row) in o.iter().enumerate() {
-                        for (j, &v) in row.iter().enumerate() {
-                            // SAFETY: row r+i < t and column c+j in this task's own groups.
-                            unsafe { out.write((r + i) * n + c + j, v) };
-                        }
-                    }
+                    // SAFETY: rows r.. < t, columns of group grp, one of this task's.
+                    unsafe { out.write_tile(n, r, grp * 4, &o) };
                 } else {
                     for i in 0..rows {
                         let mut o = [[0f32; 4]; 1];
                         dot::tile_q4_1x4(&[arow(r + i)], gw, &mut o);
-                        for (j, &v) in o[0].iter().enumerate() {
-                            // SAFETY: row r+i < t and column c+j in this task's own groups.
-                            unsafe { out.write((r + i) * n + c + j, v) };
-                        }
+                        // SAFETY: row r+i < t, columns of group grp, one of this task's.
+                        unsafe { out.write_tile(n, r + i, grp * 4, &o) };
                     }
                 }
             }
