@@ -136,7 +136,7 @@ pub fn attend_token(
     } else {
         dot_chain
     };
-    debug_assert!(len <= pages.len() * page_size);
+    assert!(len <= pages.len() * page_size);
     scores.clear();
     scores.resize(n_head * kv_len, 0.0);
     let keys = pages.iter().map(|p| p.0);
@@ -215,7 +215,7 @@ pub fn attend_rows(
     let (kv_dim, rep, scale) = (heads.kv_dim(), heads.rep(), heads.scale());
     let len = first + ROW_BLOCK; // positions the last row sees
     let kv_len = kv_len.max(len);
-    debug_assert!(len <= pages.len() * page_size);
+    assert!(len <= pages.len() * page_size);
     // Scratch: the block's scores, `[row][head][kv_len]` (masked positions stay zero), then
     // its queries transposed, `qt[(h * hd + i) * 8 + r]`.
     let n_scores = ROW_BLOCK * n_head * kv_len;

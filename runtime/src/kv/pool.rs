@@ -294,7 +294,10 @@ impl KvPool {
                 .expect("a reservation guarantees a free page");
             meta.reserved -= 1;
             let state = &mut meta.state[page as usize];
-            debug_assert!(!state.allocated && state.holders == 0);
+            assert!(
+                !state.allocated && state.holders == 0,
+                "a free page was still in use"
+            );
             state.epoch += 1;
             state.allocated = true;
             state.holders = 1;
@@ -355,7 +358,7 @@ impl KvPool {
     ) -> Result<(), RuntimeError> {
         let kv_dim = self.layout.kv_dim;
         let n = k.len() / kv_dim;
-        debug_assert_eq!(k.len(), v.len());
+        assert_eq!(k.len(), v.len(), "K and V of different lengths");
         let mut pos = start;
         while pos < start + n {
             let page_ref = *seq.table.get(pos / self.page_size).ok_or_else(|| {
@@ -378,7 +381,10 @@ impl KvPool {
     /// Record that `n` more tokens of `seq` are written in every layer.
     pub fn commit(&self, seq: &mut SeqKv, n: usize) {
         seq.len += n;
-        debug_assert!(seq.len <= seq.table.len() * self.page_size);
+        assert!(
+            seq.len <= seq.table.len() * self.page_size,
+            "committed past the block table"
+        );
     }
 
     /// Copy K and V of positions `0..len` of one layer into `k_out` and `v_out`
@@ -677,14 +683,17 @@ impl LayerView<'_> {
 impl Drop for SeqKv {
     fn drop(&mut self) {
         // A sequence must be released through its pool; one dropped without that would pin
-        // its pages. The scheduler always releases; this catches a bug early in tests.
-        debug_assert!(
-            std::thread::panicking()
-                || self.released
-                || (self.table.is_empty() && self.reservation.pages == 0),
-            "SeqKv for request {} dropped without release",
-            self.owner.request
-        );
+        // its pages. The scheduler always releases; this names the bug if that changes.
+        if !(std::thread::panicking()
+            || self.released
+            || (self.table.is_empty() && self.reservation.pages == 0))
+        {
+            tracing::error!(
+                request = %self.owner.request,
+                pages = self.table.len(),
+                "a KV sequence was dropped without release: its pages stay pinned"
+            );
+        }
     }
 }
 
