@@ -35,7 +35,7 @@ pub struct BlockQ4_1x4 {
 /// rows: group `g`, block `b` at `g * kb + b`.
 pub fn q4_1_interleave(rows: &[BlockQ4_1], kb: usize) -> Vec<BlockQ4_1x4> {
     let n = rows.len() / kb;
-    debug_assert!(n.is_multiple_of(4));
+    assert!(n.is_multiple_of(4));
     let bits = |v: f32| f16::from_f32(v).to_bits();
     let mut out = Vec::with_capacity(rows.len() / 4);
     for g in 0..n / 4 {
@@ -65,6 +65,64 @@ pub fn q4_1_deinterleave(groups: &[BlockQ4_1x4], kb: usize) -> Vec<BlockQ4_1> {
                     qs: x.qs[c],
                 });
             }
+        }
+    }
+    out
+}
+
+/// Eight Q4_1 blocks at the same position of 8 consecutive weight rows, laid out so one
+/// integer lane of a vector belongs to one row (no horizontal sums): `qs[v]` holds bytes
+/// `4v..4v + 4` of each row's block, row after row, so its low nibbles are values
+/// `4v..4v + 4` and its high nibbles values `16 + 4v..16 + 4v + 4` of the 8 rows. A dot
+/// product multiplies each of these 8 vectors of values by 4 activation bytes broadcast to
+/// every lane. Scales are the GGUF's f16 bits, as in [`BlockQ4_1x4`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C, align(32))]
+pub struct BlockQ4_1x8 {
+    pub d: [u16; 8],
+    pub m: [u16; 8],
+    pub qs: [[u8; 32]; 4],
+}
+
+impl BlockQ4_1x8 {
+    /// Row `c`'s block, as stored in GGUF order.
+    pub fn row(&self, c: usize) -> BlockQ4_1 {
+        let f = |bits: u16| f16::from_bits(bits).to_f32();
+        BlockQ4_1 {
+            d: f(self.d[c]),
+            m: f(self.m[c]),
+            qs: std::array::from_fn(|j| self.qs[j / 4][4 * c + j % 4]),
+        }
+    }
+}
+
+/// Interleave rows of Q4_1 blocks (`rows % 8 == 0`, `kb` blocks per row) into groups of 8
+/// rows: group `g`, block `b` at `g * kb + b`.
+pub fn q4_1_interleave8(rows: &[BlockQ4_1], kb: usize) -> Vec<BlockQ4_1x8> {
+    let n = rows.len() / kb;
+    assert!(n.is_multiple_of(8));
+    let bits = |v: f32| f16::from_f32(v).to_bits();
+    let mut out = Vec::with_capacity(rows.len() / 8);
+    for g in 0..n / 8 {
+        for b in 0..kb {
+            let blk = |c: usize| &rows[(g * 8 + c) * kb + b];
+            out.push(BlockQ4_1x8 {
+                d: std::array::from_fn(|c| bits(blk(c).d)),
+                m: std::array::from_fn(|c| bits(blk(c).m)),
+                qs: std::array::from_fn(|v| std::array::from_fn(|i| blk(i / 4).qs[4 * v + i % 4])),
+            });
+        }
+    }
+    out
+}
+
+/// The inverse of [`q4_1_interleave8`].
+pub fn q4_1_deinterleave8(groups: &[BlockQ4_1x8], kb: usize) -> Vec<BlockQ4_1> {
+    let ng = groups.len() / kb;
+    let mut out = Vec::with_capacity(groups.len() * 8);
+    for g in 0..ng {
+        for c in 0..8 {
+            out.extend(groups[g * kb..(g + 1) * kb].iter().map(|x| x.row(c)));
         }
     }
     out

@@ -9,7 +9,7 @@
 //! its AVX2 `vec_dot_q8_0_q8_0` (8-lane fused multiply-add, then a horizontal sum). Without
 //! AVX2 the scalar path is used (candle's generic order for both).
 
-use super::blocks::{BlockQ4_1, BlockQ4_1x4, BlockQ8_0, BlockQ8_1, QK};
+use super::blocks::{BlockQ4_1, BlockQ4_1x4, BlockQ4_1x8, BlockQ8_0, BlockQ8_1, QK};
 
 /// Integer dot product of a Q4_1 block's values with an activation block's values.
 #[inline(always)]
@@ -70,6 +70,24 @@ pub fn tile_q4_1x4_scalar<const R: usize>(
     }
 }
 
+/// Scalar tile of R activation rows against one group of 8 Q4_1 rows.
+pub fn tile_q4_1x8_scalar<const R: usize>(
+    a: &[&[BlockQ8_1]; R],
+    g: &[BlockQ4_1x8],
+    out: &mut [[f32; 8]; R],
+) {
+    for (ar, o) in a.iter().zip(out.iter_mut()) {
+        for (c, o) in o.iter_mut().enumerate() {
+            let mut sum = 0f32;
+            for (x, ab) in g.iter().zip(ar.iter()) {
+                let wb = x.row(c);
+                sum += isum_q4_1(&wb, ab) as f32 * wb.d * ab.d + wb.m * ab.s;
+            }
+            *o = sum;
+        }
+    }
+}
+
 /// Scalar Q8_0 tile: `out[r][c] = dot(a[r], w[c])`.
 pub fn tile_q8_0_scalar<const R: usize, const C: usize>(
     a: &[&[BlockQ8_1]; R],
@@ -95,7 +113,7 @@ pub fn tile_q8_0_scalar<const R: usize, const C: usize>(
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{BlockQ4_1, BlockQ4_1x4, BlockQ8_0, BlockQ8_1};
+    use super::{BlockQ4_1, BlockQ4_1x4, BlockQ4_1x8, BlockQ8_0, BlockQ8_1};
 
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -239,6 +257,80 @@ mod avx2 {
         }
     }
 
+    /// Q4_1 tile of one 8-row group (`BlockQ4_1x8`). Per block, each of the 8 vectors of
+    /// weight values is unpacked once and multiplied by 4 bytes of every activation row,
+    /// broadcast, which leaves row `c`'s products in lane `c`: no horizontal sums. With
+    /// AVX-512 VNNI one `vpdpbusd` per vector accumulates in i32; on AVX2 `maddubs` pairs
+    /// accumulate in i16 (8 vectors x 2 products of at most 15 x 127 each is 30480, so no
+    /// pair saturates and no sum overflows) and one `madd` widens them at the end. The float
+    /// terms are then added in the reference's order, one lane per weight row, as in
+    /// [`tile_q4_1`]: bit-identical to the scalar path.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn tile_q4_1x8<const R: usize>(
+        a: &[&[BlockQ8_1]; R],
+        g: &[BlockQ4_1x8],
+        out: &mut [[f32; 8]; R],
+    ) {
+        let nb = a[0].len();
+        let a: [&[BlockQ8_1]; R] = std::array::from_fn(|r| &a[r][..nb]);
+        let g = &g[..nb];
+        let low = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (b, x) in g.iter().enumerate() {
+            // SAFETY: `d` and `m` are 16 readable bytes each; the loads are unaligned.
+            let (wd, wm) = unsafe {
+                (
+                    _mm256_cvtph_ps(_mm_loadu_si128(x.d.as_ptr() as *const __m128i)),
+                    _mm256_cvtph_ps(_mm_loadu_si128(x.m.as_ptr() as *const __m128i)),
+                )
+            };
+            let mut isum = [_mm256_setzero_si256(); R];
+            for v in 0..8 {
+                // SAFETY: `qs[v % 4]` is 32 bytes at a 32-byte aligned offset of a 32-byte
+                // aligned block.
+                let q = unsafe { _mm256_load_si256(x.qs[v % 4].as_ptr() as *const __m256i) };
+                // Values 4v..4v+4 of each row: low nibbles for v < 4, high ones after
+                // (16 + 4(v - 4) = 4v), so they pair with activation bytes 4v..4v+4.
+                let wv = if v < 4 {
+                    _mm256_and_si256(q, low)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16(q, 4), low)
+                };
+                for r in 0..R {
+                    // SAFETY: `qs` is 32 readable bytes; 4v + 4 <= 32.
+                    let y = unsafe { (a[r][b].qs.as_ptr() as *const i32).add(v).read_unaligned() };
+                    let y = _mm256_set1_epi32(y);
+                    #[cfg(all(target_feature = "avx512vnni", target_feature = "avx512vl"))]
+                    {
+                        isum[r] = _mm256_dpbusd_epi32(isum[r], wv, y);
+                    }
+                    #[cfg(not(all(target_feature = "avx512vnni", target_feature = "avx512vl")))]
+                    {
+                        isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(wv, y));
+                    }
+                }
+            }
+            for r in 0..R {
+                let ab = &a[r][b];
+                #[cfg(all(target_feature = "avx512vnni", target_feature = "avx512vl"))]
+                let i = isum[r];
+                #[cfg(not(all(target_feature = "avx512vnni", target_feature = "avx512vl")))]
+                let i = _mm256_madd_epi16(isum[r], _mm256_set1_epi16(1));
+                let t = _mm256_mul_ps(
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(i), wd),
+                    _mm256_set1_ps(ab.d),
+                );
+                let t = _mm256_add_ps(t, _mm256_mul_ps(wm, _mm256_set1_ps(ab.s)));
+                acc[r] = _mm256_add_ps(acc[r], t);
+            }
+        }
+        for r in 0..R {
+            // SAFETY: `out[r]` is 8 writable f32; the store is unaligned.
+            unsafe { _mm256_storeu_ps(out[r].as_mut_ptr(), acc[r]) };
+        }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub fn tile_q8_0<const R: usize, const C: usize>(
@@ -325,6 +417,43 @@ pub fn tile_q4_1x4<const R: usize>(
         target_feature = "f16c"
     )))]
     tile_q4_1x4_scalar(a, g, out);
+}
+
+/// Whether this build has the 8-row Q4_1 group kernel (AVX2, FMA, F16C): where it does
+/// not, weights stay in groups of 4 ([`BlockQ4_1x4`]) on the scalar path.
+pub const Q4_1_GROUPS_OF_8: bool = cfg!(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+));
+
+/// 8-row Q4_1 group tile on the fastest path this build has (bit-identical to the scalar
+/// one, which only builds without [`Q4_1_GROUPS_OF_8`] use, in tests).
+#[inline(always)]
+pub fn tile_q4_1x8<const R: usize>(
+    a: &[&[BlockQ8_1]; R],
+    g: &[BlockQ4_1x8],
+    out: &mut [[f32; 8]; R],
+) {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    // SAFETY: this build targets CPUs with AVX2, FMA and F16C (the cfg above), so the
+    // target-feature function runs on a CPU that has them.
+    unsafe {
+        avx2::tile_q4_1x8(a, g, out)
+    };
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    )))]
+    tile_q4_1x8_scalar(a, g, out);
 }
 
 /// Q8_0 tile on the fastest path this build has.

@@ -7,9 +7,9 @@
 use rayon::prelude::*;
 
 use super::blocks::{
-    BlockQ4_1, BlockQ4_1x4, BlockQ8_0, BlockQ8_1, QK, dequantize_q4_1, dequantize_q8_0,
-    q4_1_deinterleave, q4_1_from_gguf, q4_1_interleave, q8_0_from_gguf, quantize_row_q8_0,
-    quantize_row_q8_1,
+    BlockQ4_1, BlockQ4_1x4, BlockQ4_1x8, BlockQ8_0, BlockQ8_1, QK, dequantize_q4_1,
+    dequantize_q8_0, q4_1_deinterleave, q4_1_deinterleave8, q4_1_from_gguf, q4_1_interleave,
+    q4_1_interleave8, q8_0_from_gguf, quantize_row_q8_0, quantize_row_q8_1,
 };
 use super::dot;
 
@@ -54,6 +54,8 @@ enum Blocks {
     Q4_1(Vec<BlockQ4_1>),
     /// Groups of 4 rows interleaved (see `BlockQ4_1x4`).
     Q4_1x4(Vec<BlockQ4_1x4>),
+    /// Groups of 8 rows, one lane per row (see `BlockQ4_1x8`), where the build has the kernel.
+    Q4_1x8(Vec<BlockQ4_1x8>),
     Q8_0(Vec<BlockQ8_0>),
 }
 
@@ -90,7 +92,9 @@ impl QWeight {
     }
 
     fn q4_1_rows(rows: Vec<BlockQ4_1>, n: usize, k: usize) -> Self {
-        let blocks = if n.is_multiple_of(4) {
+        let blocks = if dot::Q4_1_GROUPS_OF_8 && n.is_multiple_of(8) {
+            Blocks::Q4_1x8(q4_1_interleave8(&rows, k / QK))
+        } else if n.is_multiple_of(4) {
             Blocks::Q4_1x4(q4_1_interleave(&rows, k / QK))
         } else {
             Blocks::Q4_1(rows)
@@ -103,6 +107,7 @@ impl QWeight {
         match &self.blocks {
             Blocks::Q4_1(b) => Some(b.clone()),
             Blocks::Q4_1x4(g) => Some(q4_1_deinterleave(g, self.k / QK)),
+            Blocks::Q4_1x8(g) => Some(q4_1_deinterleave8(g, self.k / QK)),
             Blocks::Q8_0(_) => None,
         }
     }
@@ -164,7 +169,7 @@ impl QWeight {
     }
     pub fn format(&self) -> QFormat {
         match self.blocks {
-            Blocks::Q4_1(_) | Blocks::Q4_1x4(_) => QFormat::Q4_1,
+            Blocks::Q4_1(_) | Blocks::Q4_1x4(_) | Blocks::Q4_1x8(_) => QFormat::Q4_1,
             Blocks::Q8_0(_) => QFormat::Q8_0,
         }
     }
@@ -186,6 +191,15 @@ impl QWeight {
                         o[j] = (x.qs[c][j] & 0x0F) as f32 * d + m;
                         o[j + QK / 2] = (x.qs[c][j] >> 4) as f32 * d + m;
                     }
+                }
+            }
+            Blocks::Q4_1x8(g) => {
+                let (grp, c) = (r / 8, r % 8);
+                for (x, o) in g[grp * kb..(grp + 1) * kb]
+                    .iter()
+                    .zip(out.chunks_exact_mut(QK))
+                {
+                    dequantize_q4_1(&[x.row(c)], o);
                 }
             }
             Blocks::Q8_0(b) => dequantize_q8_0(&b[r * kb..(r + 1) * kb], out),
@@ -222,6 +236,7 @@ impl QWeight {
         match &self.blocks {
             Blocks::Q4_1(b) => run(b, self.n, kb, &acts, t, y),
             Blocks::Q4_1x4(g) => run_x4(g, self.n, kb, &acts, t, y),
+            Blocks::Q4_1x8(g) => run_x8(g, self.n, kb, &acts, t, y),
             Blocks::Q8_0(b) => run(b, self.n, kb, &acts, t, y),
         }
     }
@@ -374,6 +389,72 @@ fn run_x4(g: &[BlockQ4_1x4], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, 
                         unsafe { out.write_tile(n, r + i, grp * 4, &o) };
                     }
                 }
+            }
+            r += rows;
+        }
+    };
+    if tasks == 1 {
+        body(0);
+    } else {
+        (0..tasks).into_par_iter().for_each(body);
+    }
+}
+
+/// [`run`] for 8-row Q4_1 groups (`n % 8 == 0`): chunks of whole groups, tiles of 8, 4 or
+/// 1 activation rows against one group (each weight block unpacked once per tile).
+fn run_x8(g: &[BlockQ4_1x8], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, y: &mut [f32]) {
+    let groups = n / 8;
+    let threads = rayon::current_num_threads().max(1);
+    let tasks = (threads * 8).min(groups.div_ceil(2)).max(1);
+    let chunk = groups.div_ceil(tasks);
+    let tasks = groups.div_ceil(chunk);
+    let out = OutPtr(y.as_mut_ptr());
+    fn tiles<const R: usize>(
+        g: &[BlockQ4_1x8],
+        kb: usize,
+        groups: std::ops::Range<usize>,
+        a: [&[BlockQ8_1]; R],
+        n: usize,
+        r: usize,
+        out: OutPtr,
+    ) {
+        for grp in groups {
+            let mut o = [[0f32; 8]; R];
+            dot::tile_q4_1x8(&a, &g[grp * kb..(grp + 1) * kb], &mut o);
+            // SAFETY: rows r..r+R < t, columns of group grp, one of this task's.
+            unsafe { out.write_tile(n, r, grp * 8, &o) };
+        }
+    }
+    let body = |task: usize| {
+        let range = task * chunk..((task + 1) * chunk).min(groups);
+        let arow = |r: usize| &acts[r * kb..(r + 1) * kb];
+        let mut r = 0;
+        while r < t {
+            let rows = match t - r {
+                8.. if WIDE_ROW_TILES => 8,
+                4.. => 4,
+                _ => 1,
+            };
+            match rows {
+                8 => tiles::<8>(
+                    g,
+                    kb,
+                    range.clone(),
+                    std::array::from_fn(|i| arow(r + i)),
+                    n,
+                    r,
+                    out,
+                ),
+                4 => tiles::<4>(
+                    g,
+                    kb,
+                    range.clone(),
+                    std::array::from_fn(|i| arow(r + i)),
+                    n,
+                    r,
+                    out,
+                ),
+                _ => tiles::<1>(g, kb, range.clone(), [arow(r)], n, r, out),
             }
             r += rows;
         }
@@ -560,6 +641,61 @@ mod tests {
             dot::tile_q4_1x4_scalar(&a, &groups[grp * kb..(grp + 1) * kb], &mut slow);
             assert_eq!(fast, plain);
             assert_eq!(slow, plain);
+        }
+    }
+
+    /// 8-row groups give bit-identical results to row-by-row blocks, for tiles of 1, 4 and 8
+    /// activation rows, on this build's path and the scalar one; the layout round-trips.
+    #[test]
+    fn eight_row_groups_are_bit_identical_to_rows() {
+        let mut rng = Lcg(13);
+        let kb = 7;
+        let vals: Vec<u8> = (0..16 * kb * 16).map(|_| rng.next() as u8).collect();
+        let sc: Vec<(f32, f32)> = (0..16 * kb)
+            .map(|_| (rng.f32() * 0.1, rng.f32() - 0.5))
+            .collect();
+        let rows = q4_1_from_gguf(&q4_1_bytes(&vals, &sc));
+        let groups = q4_1_interleave8(&rows, kb);
+        assert_eq!(q4_1_deinterleave8(&groups, kb), rows);
+        let x: Vec<f32> = (0..8 * kb * QK).map(|_| rng.f32() * 2.0 - 1.0).collect();
+        let mut acts = vec![BlockQ8_1::ZERO; 8 * kb];
+        for (a, x) in acts.chunks_mut(kb).zip(x.chunks(kb * QK)) {
+            quantize_row_q8_1(x, a);
+        }
+        fn check<const R: usize>(
+            acts: &[BlockQ8_1],
+            rows: &[BlockQ4_1],
+            g: &[BlockQ4_1x8],
+            kb: usize,
+        ) {
+            let a: [&[BlockQ8_1]; R] = std::array::from_fn(|i| &acts[i * kb..(i + 1) * kb]);
+            for grp in 0..2 {
+                let gw = &g[grp * kb..(grp + 1) * kb];
+                let w: [&[BlockQ4_1]; 8] =
+                    std::array::from_fn(|c| &rows[(grp * 8 + c) * kb..(grp * 8 + c + 1) * kb]);
+                let (mut plain, mut fast, mut slow) =
+                    ([[0f32; 8]; R], [[0f32; 8]; R], [[0f32; 8]; R]);
+                tile_q4_1_scalar(&a, &w, &mut plain);
+                dot::tile_q4_1x8(&a, gw, &mut fast);
+                dot::tile_q4_1x8_scalar(&a, gw, &mut slow);
+                assert_eq!(fast, plain, "{R} rows, group {grp}");
+                assert_eq!(slow, plain, "{R} rows, group {grp}");
+            }
+        }
+        check::<1>(&acts, &rows, &groups, kb);
+        check::<4>(&acts, &rows, &groups, kb);
+        check::<8>(&acts, &rows, &groups, kb);
+        // And through a whole matmul, whichever layout this build picks.
+        let w = QWeight::q4_1_rows(rows.clone(), 16, kb * QK);
+        let mut y = vec![0f32; 8 * 16];
+        w.matmul(&x, 8, &mut y);
+        let a: [&[BlockQ8_1]; 8] = std::array::from_fn(|i| &acts[i * kb..(i + 1) * kb]);
+        for c in 0..16 {
+            let mut o = [[0f32; 1]; 8];
+            tile_q4_1_scalar(&a, &[&rows[c * kb..(c + 1) * kb]], &mut o);
+            for r in 0..8 {
+                assert_eq!(y[r * 16 + c], o[r][0], "row {r}, column {c}");
+            }
         }
     }
 
