@@ -157,6 +157,7 @@ pub async fn run(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let listener = bulkhead_runtime::server::without_nagle(listener);
     let served = axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(shutdown)
         .await;

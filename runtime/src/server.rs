@@ -316,13 +316,45 @@ pub fn server_timing(name: &str, took: std::time::Duration) -> axum::http::Heade
         .expect("a metric name and a number are a valid header value")
 }
 
+/// `listener` with Nagle's algorithm off on every connection it accepts. A response whose
+/// head and body leave in separate writes (a streamed body: SSE, a worker's answer) would
+/// otherwise hold its second small segment until the client's delayed ACK, up to 40 ms.
+pub fn without_nagle(
+    listener: tokio::net::TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
+    use axum::serve::ListenerExt;
+    listener.tap_io(|stream| {
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY could not be set on a connection: {e}");
+        }
+    })
+}
+
 /// Serve the node API on `listener` until `shutdown` resolves.
 pub async fn serve(
     node: Arc<Node>,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(node))
+    axum::serve(without_nagle(listener), router(node))
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::serve::Listener;
+
+    /// Every accepted connection has Nagle's algorithm off (without it, a worker's or SSE
+    /// response's body segment waited for the client's delayed ACK: a 40 ms p99 here).
+    #[tokio::test]
+    async fn accepted_connections_have_nodelay() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut listener = super::without_nagle(listener);
+        let client = tokio::spawn(tokio::net::TcpStream::connect(addr));
+        let (stream, _) = listener.accept().await;
+        assert!(stream.nodelay().unwrap(), "TCP_NODELAY is off");
+        client.await.unwrap().unwrap();
+    }
 }
