@@ -7,8 +7,9 @@
 //!                  stored precompiled copy | compile the stored component
 //!         ── body within max_request_bytes (413/3006)
 //!         ── a fresh Store: limiter (memory), call hook (guest clock), epoch deadline (CPU)
-//!         ── spawn: instantiate from the template, call wasi:http incoming-handler.handle,
-//!                  all within the wall-clock limit
+//!         ── run: instantiate from the template, call wasi:http incoming-handler.handle,
+//!                all within the wall-clock limit, in the request's own task until the
+//!                guest answers (the rest, if any, in a spawned task)
 //!         ── the guest's response: status and headers (content-length over the limit:
 //!            500/1107), the body streamed through a byte cap; or, when the guest never
 //!            answered, its failure: 503/1102 CPU, 503/1103 wall clock, 500/1106 memory,
@@ -268,7 +269,7 @@ pub async fn invoke(
     store.epoch_deadline_callback(move |cx| super::sandbox::epoch_deadline(cx, tick));
     store.set_epoch_deadline(1);
 
-    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (tx, mut rx) = tokio::sync::oneshot::channel();
     let prepared: wasmtime::Result<_> = (|| {
         let req = store
             .data_mut()
@@ -287,7 +288,7 @@ pub async fn invoke(
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Option<Failure>>();
     let task_tally = tally.clone();
     let (task_tenant, task_name) = (tenant.to_string(), name.to_string());
-    let task = tokio::spawn(async move {
+    let guest = async move {
         let run = async {
             let proxy = pre.instantiate_async(&mut store).await?;
             proxy
@@ -313,9 +314,24 @@ pub async fn invoke(
         }
         let _ = done_tx.send(failure);
         drop(task_tally);
-    });
+        // Dropping the store resets the instance's pooled slot (a page-map scan and
+        // decommits): tens of microseconds that need not come before the response.
+        tokio::spawn(async move { drop(store) });
+    };
 
-    let response = match rx.await {
+    // The guest runs in this task until it answers, so a guest that answers at once (most
+    // do) hands nothing to another task or thread before its response exists; whatever it
+    // still has to do after answering (the body, waitUntil work) goes on in a task of its
+    // own.
+    let mut guest = Box::pin(guest);
+    let (answer, guest_done) = tokio::select! {
+        biased;
+        answer = &mut rx => (answer, false),
+        () = &mut guest => (rx.await, true),
+    };
+    let task = (!guest_done).then(|| tokio::spawn(guest));
+
+    let response = match answer {
         Ok(Ok(resp)) => resp,
         Ok(Err(code)) => {
             // The guest answered with an error code instead of a response.
@@ -344,7 +360,9 @@ pub async fn invoke(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > cap as u64) {
-        task.abort();
+        if let Some(task) = &task {
+            task.abort();
+        }
         tally.fail("response_too_large");
         return ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -389,7 +407,8 @@ struct CappedBody {
     sent: usize,
     cap: usize,
     tally: Arc<Tally>,
-    task: tokio::task::JoinHandle<()>,
+    /// The guest, where it was still running when it answered.
+    task: Option<tokio::task::JoinHandle<()>>,
     /// The guest finished its body.
     ended: bool,
 }
@@ -398,8 +417,10 @@ impl Drop for CappedBody {
     fn drop(&mut self) {
         // A guest still producing a body nobody will read (the client left, or the body was
         // cut) is stopped; one finishing up after a complete body is left to finish.
-        if !self.ended {
-            self.task.abort();
+        if !self.ended
+            && let Some(task) = &self.task
+        {
+            task.abort();
         }
     }
 }
