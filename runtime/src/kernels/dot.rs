@@ -302,7 +302,8 @@ mod avx2 {
                     let y = unsafe { (a[r][b].qs.as_ptr() as *const i32).add(v).read_unaligned() };
                     let y = _mm256_set1_epi32(y);
                     #[cfg(all(target_feature = "avx512vnni", target_feature = "avx512vl"))]
-                    {
+                    // SAFETY: this build targets CPUs with AVX-512 VNNI and VL (the cfg above).
+                    unsafe {
                         isum[r] = _mm256_dpbusd_epi32(isum[r], wv, y);
                     }
                     #[cfg(not(all(target_feature = "avx512vnni", target_feature = "avx512vl")))]
