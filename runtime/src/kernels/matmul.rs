@@ -1,8 +1,11 @@
 //! `y[T, N] = x[T, K] * W[N, K]^T` with repacked quantized weights.
 //!
 //! Each activation row is quantized once per call; the output columns are split into chunks
-//! across rayon's pool, and inside a chunk 4x4 tiles (4 activation rows x 4 weight rows) walk
-//! the chunk's weights once per 4 rows, so batched decode and prefill reuse them from cache.
+//! across rayon's pool, and inside a chunk tiles of several activation rows against a group
+//! of weight rows walk the chunk's weights once per tile, so batched decode and prefill
+//! reuse them from cache. Q4_1 weights are kept in groups of 8 rows (`BlockQ4_1x8`: one SIMD
+//! lane per weight row, no horizontal sums) where the build has AVX2, else groups of 4;
+//! Q8_0 (the tied output matrix) row by row in 4x4 tiles.
 
 use rayon::prelude::*;
 
