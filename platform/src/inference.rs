@@ -268,6 +268,22 @@ impl Embedded {
     }
 }
 
+/// An embedding as a JSON array of its values written as f32s: the shortest decimal that
+/// reads back as the same f32 (`0.08817223`, not the f64 widening `0.08817222714424133`).
+/// Answers are about half the size, and clients (a worker's JS too, which parses them and
+/// often prints them again) convert half the digits.
+pub fn embedding_json(v: &[f32]) -> serde_json::Value {
+    serde_json::Value::Array(
+        v.iter()
+            .map(|&x| {
+                // Rust prints a float as the shortest decimal that reads back as it.
+                let short: f64 = x.to_string().parse().unwrap_or(f64::NAN);
+                serde_json::Number::from_f64(short).map_or(serde_json::Value::Null, Into::into)
+            })
+            .collect(),
+    )
+}
+
 /// Embed `texts` with `model` on a node that serves it.
 pub async fn embed(
     state: &SharedState,
@@ -346,4 +362,30 @@ pub fn meter(
     error: Option<&str>,
 ) {
     state.usage.record(tenant, model, input, output, error);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::embedding_json;
+
+    #[test]
+    fn embeddings_are_written_as_f32s_and_read_back_exactly() {
+        let v = [
+            0.088_172_23_f32,
+            -0.017_421_5,
+            1.0,
+            0.0,
+            1e-8,
+            -3.402_823_5e38,
+        ];
+        let text = embedding_json(&v).to_string();
+        let back: Vec<f32> = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, v);
+        assert!(text.contains("0.08817223"), "{text}");
+        assert!(
+            !text.contains("0.0881722271"),
+            "written as the f64 widening: {text}"
+        );
+        assert_eq!(embedding_json(&[f32::NAN]).to_string(), "[null]");
+    }
 }

@@ -286,7 +286,7 @@ async fn embeddings_for(
                 let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
                 serde_json::Value::String(base64::engine::general_purpose::STANDARD.encode(bytes))
             } else {
-                serde_json::json!(v)
+                inference::embedding_json(v)
             };
             serde_json::json!({"object": "embedding", "index": index, "embedding": embedding})
         })

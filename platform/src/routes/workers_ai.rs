@@ -228,8 +228,10 @@ pub async fn run_model(
             headers.insert(name, value);
             let data = embedded.data;
             let dims = data.first().map_or(0, Vec::len);
+            let rows: Vec<serde_json::Value> =
+                data.iter().map(|v| inference::embedding_json(v)).collect();
             let result =
-                serde_json::json!({ "shape": [data.len(), dims], "data": data, "pooling": "mean" });
+                serde_json::json!({ "shape": [data.len(), dims], "data": rows, "pooling": "mean" });
             Ok((model, RunOutput::Json(result), headers))
         }
         other => Err(ApiError::internal(format!(
