@@ -314,9 +314,11 @@ pub async fn invoke(
         }
         let _ = done_tx.send(failure);
         drop(task_tally);
-        // Dropping the store resets the instance's pooled slot (a page-map scan and
-        // decommits): tens of microseconds that need not come before the response.
-        tokio::spawn(async move { drop(store) });
+        // The store drops here, before the response is handed on: that frees the instance's
+        // pooled slot (a page-map scan and decommits, tens of microseconds), so a client
+        // that sends its next request as soon as it has the answer always finds the slot
+        // free. Dropping it later (in a task of its own) let that request see 503/3040.
+        drop(store);
     };
 
     // The guest runs in this task until it answers, so a guest that answers at once (most
