@@ -20,62 +20,13 @@ pub struct BlockQ4_1 {
     pub qs: [u8; QK / 2],
 }
 
-/// Four Q4_1 blocks at the same position of 4 consecutive weight rows, interleaved so one
-/// load gets all four scales (kept as the GGUF's f16 bits: 20 bytes per block, as stored,
-/// and exact when widened) and the values stream from one place.
-#[derive(Debug, Clone, Copy, PartialEq)]
-#[repr(C, align(16))]
-pub struct BlockQ4_1x4 {
-    pub d: [u16; 4],
-    pub m: [u16; 4],
-    pub qs: [[u8; QK / 2]; 4],
-}
-
-/// Interleave rows of Q4_1 blocks (`rows % 4 == 0`, `kb` blocks per row) into groups of 4
-/// rows: group `g`, block `b` at `g * kb + b`.
-pub fn q4_1_interleave(rows: &[BlockQ4_1], kb: usize) -> Vec<BlockQ4_1x4> {
-    let n = rows.len() / kb;
-    assert!(n.is_multiple_of(4));
-    let bits = |v: f32| f16::from_f32(v).to_bits();
-    let mut out = Vec::with_capacity(rows.len() / 4);
-    for g in 0..n / 4 {
-        for b in 0..kb {
-            let blk = |c: usize| &rows[(g * 4 + c) * kb + b];
-            out.push(BlockQ4_1x4 {
-                d: std::array::from_fn(|c| bits(blk(c).d)),
-                m: std::array::from_fn(|c| bits(blk(c).m)),
-                qs: std::array::from_fn(|c| blk(c).qs),
-            });
-        }
-    }
-    out
-}
-
-/// The inverse of [`q4_1_interleave`].
-pub fn q4_1_deinterleave(groups: &[BlockQ4_1x4], kb: usize) -> Vec<BlockQ4_1> {
-    let ng = groups.len() / kb;
-    let mut out = Vec::with_capacity(groups.len() * 4);
-    for g in 0..ng {
-        for c in 0..4 {
-            for b in 0..kb {
-                let x = &groups[g * kb + b];
-                out.push(BlockQ4_1 {
-                    d: f16::from_bits(x.d[c]).to_f32(),
-                    m: f16::from_bits(x.m[c]).to_f32(),
-                    qs: x.qs[c],
-                });
-            }
-        }
-    }
-    out
-}
-
 /// Eight Q4_1 blocks at the same position of 8 consecutive weight rows, laid out so one
 /// integer lane of a vector belongs to one row (no horizontal sums): `qs[v]` holds bytes
 /// `4v..4v + 4` of each row's block, row after row, so its low nibbles are values
 /// `4v..4v + 4` and its high nibbles values `16 + 4v..16 + 4v + 4` of the 8 rows. A dot
 /// product multiplies each of these 8 vectors of values by 4 activation bytes broadcast to
-/// every lane. Scales are the GGUF's f16 bits, as in [`BlockQ4_1x4`].
+/// every lane. Scales are kept as the GGUF's f16 bits (20 bytes per row block, as stored;
+/// exact when widened), so one load and one widening give all 8.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[repr(C, align(32))]
 pub struct BlockQ4_1x8 {

@@ -9,7 +9,7 @@
 //! its AVX2 `vec_dot_q8_0_q8_0` (8-lane fused multiply-add, then a horizontal sum). Without
 //! AVX2 the scalar path is used (candle's generic order for both).
 
-use super::blocks::{BlockQ4_1, BlockQ4_1x4, BlockQ4_1x8, BlockQ8_0, BlockQ8_1, QK};
+use super::blocks::{BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_1, QK};
 
 /// Integer dot product of a Q4_1 block's values with an activation block's values.
 #[inline(always)]
@@ -43,29 +43,6 @@ pub fn tile_q4_1_scalar<const R: usize, const C: usize>(
                 sum += isum_q4_1(wb, ab) as f32 * wb.d * ab.d + wb.m * ab.s;
             }
             out[r][c] = sum;
-        }
-    }
-}
-
-/// Scalar tile of R activation rows against one interleaved group of 4 Q4_1 rows.
-pub fn tile_q4_1x4_scalar<const R: usize>(
-    a: &[&[BlockQ8_1]; R],
-    g: &[BlockQ4_1x4],
-    out: &mut [[f32; 4]; R],
-) {
-    let f = |bits: u16| half::f16::from_bits(bits).to_f32();
-    for (ar, o) in a.iter().zip(out.iter_mut()) {
-        for (c, o) in o.iter_mut().enumerate() {
-            let mut sum = 0f32;
-            for (x, ab) in g.iter().zip(ar.iter()) {
-                let wb = BlockQ4_1 {
-                    d: f(x.d[c]),
-                    m: f(x.m[c]),
-                    qs: x.qs[c],
-                };
-                sum += isum_q4_1(&wb, ab) as f32 * wb.d * ab.d + wb.m * ab.s;
-            }
-            *o = sum;
         }
     }
 }
@@ -113,7 +90,7 @@ pub fn tile_q8_0_scalar<const R: usize, const C: usize>(
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{BlockQ4_1, BlockQ4_1x4, BlockQ4_1x8, BlockQ8_0, BlockQ8_1};
+    use super::{BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_1};
 
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -206,7 +183,7 @@ mod avx2 {
 
     /// Adds block `b` of each activation row to `acc[r]` (one lane per weight row): the
     /// integer dot against the 4 unpacked weight rows `wx`, then `d_w d_a isum + m_w s_a`,
-    /// in ggml's order. Shared by both Q4_1 tile layouts.
+    /// in ggml's order.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn q4_1_block<const R: usize>(
@@ -225,35 +202,6 @@ mod avx2 {
             let t = _mm_mul_ps(_mm_mul_ps(isum, wd), _mm_set1_ps(ab.d));
             let t = _mm_add_ps(t, _mm_mul_ps(wm, _mm_set1_ps(ab.s)));
             acc[r] = _mm_add_ps(acc[r], t);
-        }
-    }
-
-    /// [`tile_q4_1`] on an interleaved group: scales by one load and one f16 widening.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn tile_q4_1x4<const R: usize>(
-        a: &[&[BlockQ8_1]; R],
-        g: &[BlockQ4_1x4],
-        out: &mut [[f32; 4]; R],
-    ) {
-        let nb = a[0].len();
-        let a: [&[BlockQ8_1]; R] = std::array::from_fn(|r| &a[r][..nb]);
-        let g = &g[..nb];
-        let mut acc = [_mm_setzero_ps(); R];
-        for (b, x) in g.iter().enumerate() {
-            // SAFETY: `d` and `m` are 8 readable bytes each; the loads are unaligned.
-            let (wd, wm) = unsafe {
-                (
-                    _mm_cvtph_ps(_mm_loadl_epi64(x.d.as_ptr() as *const __m128i)),
-                    _mm_cvtph_ps(_mm_loadl_epi64(x.m.as_ptr() as *const __m128i)),
-                )
-            };
-            let wx: [__m256i; 4] = std::array::from_fn(|c| nibbles(&x.qs[c]));
-            q4_1_block(&a, b, &wx, wd, wm, &mut acc);
-        }
-        for r in 0..R {
-            // SAFETY: `out[r]` is 4 writable f32; the store is unaligned.
-            unsafe { _mm_storeu_ps(out[r].as_mut_ptr(), acc[r]) };
         }
     }
 
@@ -392,45 +340,8 @@ pub fn tile_q4_1<const R: usize, const C: usize>(
     tile_q4_1_scalar(a, w, out);
 }
 
-/// Interleaved Q4_1 group tile on the fastest path this build has (bit-identical to the
-/// scalar one).
-#[inline(always)]
-pub fn tile_q4_1x4<const R: usize>(
-    a: &[&[BlockQ8_1]; R],
-    g: &[BlockQ4_1x4],
-    out: &mut [[f32; 4]; R],
-) {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
-    // SAFETY: this build targets CPUs with AVX2, FMA and F16C (the cfg above), so the
-    // target-feature function runs on a CPU that has them.
-    unsafe {
-        avx2::tile_q4_1x4(a, g, out)
-    };
-    #[cfg(not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    )))]
-    tile_q4_1x4_scalar(a, g, out);
-}
-
-/// Whether this build has the 8-row Q4_1 group kernel (AVX2, FMA, F16C): where it does
-/// not, weights stay in groups of 4 ([`BlockQ4_1x4`]) on the scalar path.
-pub const Q4_1_GROUPS_OF_8: bool = cfg!(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-));
-
 /// 8-row Q4_1 group tile on the fastest path this build has (bit-identical to the scalar
-/// one, which only builds without [`Q4_1_GROUPS_OF_8`] use, in tests).
+/// one).
 #[inline(always)]
 pub fn tile_q4_1x8<const R: usize>(
     a: &[&[BlockQ8_1]; R],

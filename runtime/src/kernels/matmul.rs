@@ -4,15 +4,15 @@
 //! across rayon's pool, and inside a chunk tiles of several activation rows against a group
 //! of weight rows walk the chunk's weights once per tile, so batched decode and prefill
 //! reuse them from cache. Q4_1 weights are kept in groups of 8 rows (`BlockQ4_1x8`: one SIMD
-//! lane per weight row, no horizontal sums) where the build has AVX2, else groups of 4;
-//! Q8_0 (the tied output matrix) row by row in 4x4 tiles.
+//! lane per weight row, no horizontal sums; a row count that is not a multiple of 8 keeps
+//! them row by row); Q8_0 (the tied output matrix) row by row, in 4x4 tiles.
 
 use rayon::prelude::*;
 
 use super::blocks::{
-    BlockQ4_1, BlockQ4_1x4, BlockQ4_1x8, BlockQ8_0, BlockQ8_1, QK, dequantize_q4_1,
-    dequantize_q8_0, q4_1_deinterleave, q4_1_deinterleave8, q4_1_from_gguf, q4_1_interleave,
-    q4_1_interleave8, q8_0_from_gguf, quantize_row_q8_0, quantize_row_q8_1,
+    BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_1, QK, dequantize_q4_1, dequantize_q8_0,
+    q4_1_deinterleave8, q4_1_from_gguf, q4_1_interleave8, q8_0_from_gguf, quantize_row_q8_0,
+    quantize_row_q8_1,
 };
 use super::dot;
 
@@ -53,11 +53,9 @@ impl TileBlock for BlockQ8_0 {
 
 #[derive(Debug, Clone, PartialEq)]
 enum Blocks {
-    /// Row by row (when the row count is not a multiple of 4).
+    /// Row by row (when the row count is not a multiple of 8).
     Q4_1(Vec<BlockQ4_1>),
-    /// Groups of 4 rows interleaved (see `BlockQ4_1x4`).
-    Q4_1x4(Vec<BlockQ4_1x4>),
-    /// Groups of 8 rows, one lane per row (see `BlockQ4_1x8`), where the build has the kernel.
+    /// Groups of 8 rows, one lane per row (see `BlockQ4_1x8`).
     Q4_1x8(Vec<BlockQ4_1x8>),
     Q8_0(Vec<BlockQ8_0>),
 }
@@ -95,10 +93,8 @@ impl QWeight {
     }
 
     fn q4_1_rows(rows: Vec<BlockQ4_1>, n: usize, k: usize) -> Self {
-        let blocks = if dot::Q4_1_GROUPS_OF_8 && n.is_multiple_of(8) {
+        let blocks = if n.is_multiple_of(8) {
             Blocks::Q4_1x8(q4_1_interleave8(&rows, k / QK))
-        } else if n.is_multiple_of(4) {
-            Blocks::Q4_1x4(q4_1_interleave(&rows, k / QK))
         } else {
             Blocks::Q4_1(rows)
         };
@@ -109,7 +105,6 @@ impl QWeight {
     fn q4_1_row_blocks(&self) -> Option<Vec<BlockQ4_1>> {
         match &self.blocks {
             Blocks::Q4_1(b) => Some(b.clone()),
-            Blocks::Q4_1x4(g) => Some(q4_1_deinterleave(g, self.k / QK)),
             Blocks::Q4_1x8(g) => Some(q4_1_deinterleave8(g, self.k / QK)),
             Blocks::Q8_0(_) => None,
         }
@@ -172,7 +167,7 @@ impl QWeight {
     }
     pub fn format(&self) -> QFormat {
         match self.blocks {
-            Blocks::Q4_1(_) | Blocks::Q4_1x4(_) | Blocks::Q4_1x8(_) => QFormat::Q4_1,
+            Blocks::Q4_1(_) | Blocks::Q4_1x8(_) => QFormat::Q4_1,
             Blocks::Q8_0(_) => QFormat::Q8_0,
         }
     }
@@ -182,20 +177,6 @@ impl QWeight {
         let kb = self.k / QK;
         match &self.blocks {
             Blocks::Q4_1(b) => dequantize_q4_1(&b[r * kb..(r + 1) * kb], out),
-            Blocks::Q4_1x4(g) => {
-                let (grp, c) = (r / 4, r % 4);
-                for (x, o) in g[grp * kb..(grp + 1) * kb]
-                    .iter()
-                    .zip(out.chunks_exact_mut(QK))
-                {
-                    let d = half::f16::from_bits(x.d[c]).to_f32();
-                    let m = half::f16::from_bits(x.m[c]).to_f32();
-                    for j in 0..QK / 2 {
-                        o[j] = (x.qs[c][j] & 0x0F) as f32 * d + m;
-                        o[j + QK / 2] = (x.qs[c][j] >> 4) as f32 * d + m;
-                    }
-                }
-            }
             Blocks::Q4_1x8(g) => {
                 let (grp, c) = (r / 8, r % 8);
                 for (x, o) in g[grp * kb..(grp + 1) * kb]
@@ -238,7 +219,6 @@ impl QWeight {
         }
         match &self.blocks {
             Blocks::Q4_1(b) => run(b, self.n, kb, &acts, t, y),
-            Blocks::Q4_1x4(g) => run_x4(g, self.n, kb, &acts, t, y),
             Blocks::Q4_1x8(g) => run_x8(g, self.n, kb, &acts, t, y),
             Blocks::Q8_0(b) => run(b, self.n, kb, &acts, t, y),
         }
@@ -343,65 +323,10 @@ fn run<B: TileBlock>(w: &[B], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize,
     }
 }
 
-/// Whether [`run_x4`] uses 8-row tiles: only with AVX-512's 32 vector registers, where the
-/// 8 accumulators, 4 unpacked weight rows and temporaries fit (measured there: +15-25%
-/// prefill and 16-stream decode); AVX2's 16 would spill, and that case was not measured.
+/// Whether [`run_x8`] uses tiles of 8 activation rows: only with AVX-512's 32 vector
+/// registers, where their 8 integer and 8 float accumulators fit beside the unpacked weight
+/// values; with AVX2's 16 they would spill, so tiles stop at 4 rows.
 const WIDE_ROW_TILES: bool = cfg!(all(target_arch = "x86_64", target_feature = "avx512vl"));
-
-/// [`run`] for interleaved Q4_1 groups (`n % 4 == 0`): chunks of whole groups.
-fn run_x4(g: &[BlockQ4_1x4], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, y: &mut [f32]) {
-    let groups = n / 4;
-    let threads = rayon::current_num_threads().max(1);
-    let tasks = (threads * 8).min(groups.div_ceil(4)).max(1);
-    let chunk = groups.div_ceil(tasks);
-    let tasks = groups.div_ceil(chunk);
-    let out = OutPtr(y.as_mut_ptr());
-    let body = |task: usize| {
-        let g_begin = task * chunk;
-        let g_end = (g_begin + chunk).min(groups);
-        let arow = |r: usize| &acts[r * kb..(r + 1) * kb];
-        let mut r = 0;
-        while r < t {
-            if WIDE_ROW_TILES && t - r >= 2 * TR {
-                // Eight rows at a time where there are that many (prefill, wide batches):
-                // each weight block unpacked once for twice the rows.
-                let a: [&[BlockQ8_1]; 2 * TR] = std::array::from_fn(|i| arow(r + i));
-                for grp in g_begin..g_end {
-                    let mut o = [[0f32; 4]; 2 * TR];
-                    dot::tile_q4_1x4(&a, &g[grp * kb..(grp + 1) * kb], &mut o);
-                    // SAFETY: rows r.. < t, columns of group grp, one of this task's.
-                    unsafe { out.write_tile(n, r, grp * 4, &o) };
-                }
-                r += 2 * TR;
-                continue;
-            }
-            let rows = (t - r).min(TR);
-            for grp in g_begin..g_end {
-                let gw = &g[grp * kb..(grp + 1) * kb];
-                if rows == TR {
-                    let mut o = [[0f32; 4]; TR];
-                    let a: [&[BlockQ8_1]; TR] = std::array::from_fn(|i| arow(r + i));
-                    dot::tile_q4_1x4(&a, gw, &mut o);
-                    // SAFETY: rows r.. < t, columns of group grp, one of this task's.
-                    unsafe { out.write_tile(n, r, grp * 4, &o) };
-                } else {
-                    for i in 0..rows {
-                        let mut o = [[0f32; 4]; 1];
-                        dot::tile_q4_1x4(&[arow(r + i)], gw, &mut o);
-                        // SAFETY: row r+i < t, columns of group grp, one of this task's.
-                        unsafe { out.write_tile(n, r + i, grp * 4, &o) };
-                    }
-                }
-            }
-            r += rows;
-        }
-    };
-    if tasks == 1 {
-        body(0);
-    } else {
-        (0..tasks).into_par_iter().for_each(body);
-    }
-}
 
 /// [`run`] for 8-row Q4_1 groups (`n % 8 == 0`): chunks of whole groups, tiles of 8, 4 or
 /// 1 activation rows against one group (each weight block unpacked once per tile).
@@ -613,37 +538,6 @@ mod tests {
         tile_q8_0_scalar(&a, &w, &mut slow);
         for (f, s) in fast.iter().flatten().zip(slow.iter().flatten()) {
             assert!((f - s).abs() <= 1e-4 * s.abs().max(1.0), "{f} vs {s}");
-        }
-    }
-
-    /// Interleaved groups give bit-identical results to row-by-row blocks, on the SIMD and
-    /// the scalar path.
-    #[test]
-    fn interleaved_q4_1_is_bit_identical_to_rows() {
-        let mut rng = Lcg(11);
-        let kb = 5;
-        let vals: Vec<u8> = (0..8 * kb * 16).map(|_| rng.next() as u8).collect();
-        let sc: Vec<(f32, f32)> = (0..8 * kb)
-            .map(|_| (rng.f32() * 0.1, rng.f32() - 0.5))
-            .collect();
-        let rows = q4_1_from_gguf(&q4_1_bytes(&vals, &sc));
-        let groups = q4_1_interleave(&rows, kb);
-        assert_eq!(q4_1_deinterleave(&groups, kb), rows);
-        let x: Vec<f32> = (0..3 * kb * QK).map(|_| rng.f32() * 2.0 - 1.0).collect();
-        let mut acts = vec![BlockQ8_1::ZERO; 3 * kb];
-        for (a, x) in acts.chunks_mut(kb).zip(x.chunks(kb * QK)) {
-            quantize_row_q8_1(x, a);
-        }
-        let a: [&[BlockQ8_1]; 3] = std::array::from_fn(|i| &acts[i * kb..(i + 1) * kb]);
-        for grp in 0..2 {
-            let w: [&[BlockQ4_1]; 4] =
-                std::array::from_fn(|c| &rows[(grp * 4 + c) * kb..(grp * 4 + c + 1) * kb]);
-            let (mut plain, mut fast, mut slow) = ([[0f32; 4]; 3], [[0f32; 4]; 3], [[0f32; 4]; 3]);
-            tile_q4_1_scalar(&a, &w, &mut plain);
-            dot::tile_q4_1x4(&a, &groups[grp * kb..(grp + 1) * kb], &mut fast);
-            dot::tile_q4_1x4_scalar(&a, &groups[grp * kb..(grp + 1) * kb], &mut slow);
-            assert_eq!(fast, plain);
-            assert_eq!(slow, plain);
         }
     }
 
