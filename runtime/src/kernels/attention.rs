@@ -71,6 +71,98 @@ fn dot_chain(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |acc, (x, y)| x.mul_add(*y, acc))
 }
 
+/// [`dot_lanes`] of one query against `P` key rows: the same sums, side by side, so the
+/// `P` chains of fused multiply-adds overlap instead of each waiting on the last.
+#[inline(always)]
+fn dot_lanes_n<const P: usize>(q: &[f32], ks: [&[f32]; P]) -> [f32; P] {
+    let hd = q.len();
+    let ks: [&[f32]; P] = std::array::from_fn(|p| &ks[p][..hd]);
+    let whole = hd / 8 * 8;
+    let mut acc = [[0f32; 8]; P];
+    for i in (0..whole).step_by(8) {
+        for (a, k) in acc.iter_mut().zip(&ks) {
+            for l in 0..8 {
+                a[l] = q[i + l].mul_add(k[i + l], a[l]);
+            }
+        }
+    }
+    for (a, k) in acc.iter_mut().zip(&ks) {
+        for l in 0..hd - whole {
+            a[l] = q[whole + l].mul_add(k[whole + l], a[l]);
+        }
+    }
+    acc.map(|a| {
+        let s: [f32; 4] = std::array::from_fn(|i| a[i] + a[i + 4]);
+        (s[0] + s[2]) + (s[1] + s[3])
+    })
+}
+
+/// [`dot_chain`] of one query against `P` key rows, side by side.
+#[inline(always)]
+fn dot_chain_n<const P: usize>(q: &[f32], ks: [&[f32]; P]) -> [f32; P] {
+    let hd = q.len();
+    let ks: [&[f32]; P] = std::array::from_fn(|p| &ks[p][..hd]);
+    let mut acc = [0f32; P];
+    for (i, &x) in q.iter().enumerate() {
+        for (a, k) in acc.iter_mut().zip(&ks) {
+            *a = x.mul_add(k[i], *a);
+        }
+    }
+    acc
+}
+
+/// `out[pos] = scale * dot(q, keys[pos][koff..koff + hd])` for every position, `P` at a
+/// time through `many`, the rest through `one` (the same sums either way).
+#[inline(always)]
+fn head_scores<const P: usize>(
+    q: &[f32],
+    keys: &[&[f32]],
+    koff: usize,
+    scale: f32,
+    out: &mut [f32],
+    many: impl Fn(&[f32], [&[f32]; P]) -> [f32; P],
+    one: impl Fn(&[f32], &[f32]) -> f32,
+) {
+    let hd = q.len();
+    let mut blocks = keys.chunks_exact(P);
+    let mut outs = out.chunks_exact_mut(P);
+    for (ks, o) in (&mut blocks).zip(&mut outs) {
+        let ks: [&[f32]; P] = std::array::from_fn(|p| &ks[p][koff..koff + hd]);
+        for (o, s) in o.iter_mut().zip(many(q, ks)) {
+            *o = s * scale;
+        }
+    }
+    for (k, o) in blocks.remainder().iter().zip(outs.into_remainder()) {
+        *o = one(q, &k[koff..koff + hd]) * scale;
+    }
+}
+
+/// `out = sum over positions of p[pos] * values[pos][voff..voff + D]`: one fused
+/// multiply-add chain per element, over the positions in order, held in registers.
+#[inline(always)]
+fn head_values<const D: usize>(p: &[f32], values: &[&[f32]], voff: usize, out: &mut [f32]) {
+    let mut acc = [0f32; D];
+    for (&p, v) in p.iter().zip(values) {
+        let v: &[f32; D] = v[voff..voff + D].try_into().expect("a head's value row");
+        for i in 0..D {
+            acc[i] = p.mul_add(v[i], acc[i]);
+        }
+    }
+    out.copy_from_slice(&acc);
+}
+
+/// The rows of positions `0..len` of the K (or V) pages.
+fn rows_of<'a>(
+    pages: impl Iterator<Item = &'a [f32]>,
+    page_size: usize,
+    len: usize,
+    kv_dim: usize,
+) -> Vec<&'a [f32]> {
+    let mut rows = Vec::with_capacity(len);
+    for_each_row(pages, page_size, len, kv_dim, |_, row| rows.push(row));
+    rows
+}
+
 /// candle's AVX `vec_sum`: 4 accumulators of 8 lanes over each 32 values, combined as
 /// `(x0+x1) + (x2+x3)`, then `(l0+l4 + l1+l5) + (l2+l6 + l3+l7)`, then the tail in order.
 fn vec_sum(x: &[f32]) -> f32 {
@@ -131,23 +223,20 @@ pub fn attend_token(
     let (n_head, hd) = (heads.n_head, heads.head_dim);
     let (kv_dim, rep, scale) = (heads.kv_dim(), heads.rep(), heads.scale());
     let kv_len = kv_len.max(len);
-    let dot = if rows * kv_len <= HORIZONTAL_MAX {
-        dot_lanes
-    } else {
-        dot_chain
-    };
+    let lanes = rows * kv_len <= HORIZONTAL_MAX;
     assert!(len <= pages.len() * page_size);
     scores.clear();
     scores.resize(n_head * kv_len, 0.0);
-    let keys = pages.iter().map(|p| p.0);
-    for_each_row(keys, page_size, len, kv_dim, |pos, row| {
-        for g in 0..heads.n_kv_head {
-            let kr = &row[g * hd..(g + 1) * hd];
-            for h in g * rep..(g + 1) * rep {
-                scores[h * kv_len + pos] = dot(&q[h * hd..(h + 1) * hd], kr) * scale;
-            }
+    let keys = rows_of(pages.iter().map(|p| p.0), page_size, len, kv_dim);
+    for h in 0..n_head {
+        let (qh, koff) = (&q[h * hd..(h + 1) * hd], (h / rep) * hd);
+        let row = &mut scores[h * kv_len..h * kv_len + len];
+        if lanes {
+            head_scores(qh, &keys, koff, scale, row, dot_lanes_n::<4>, dot_lanes);
+        } else {
+            head_scores(qh, &keys, koff, scale, row, dot_chain_n::<8>, dot_chain);
         }
-    });
+    }
     softmax_then_values(heads, scores, pages, page_size, len, kv_len, out);
 }
 
@@ -176,19 +265,22 @@ fn softmax_then_values(
             *v /= sum;
         }
     }
-    out.fill(0.0);
-    let values = pages.iter().map(|p| p.1);
-    for_each_row(values, page_size, len, kv_dim, |pos, row| {
-        for g in 0..heads.n_kv_head {
-            let vr = &row[g * hd..(g + 1) * hd];
-            for h in g * rep..(g + 1) * rep {
-                let p = scores[h * kv_len + pos];
-                for (o, &x) in out[h * hd..(h + 1) * hd].iter_mut().zip(vr) {
-                    *o = p.mul_add(x, *o);
+    let values = rows_of(pages.iter().map(|p| p.1), page_size, len, kv_dim);
+    for h in 0..heads.n_head {
+        let (p, voff) = (&scores[h * kv_len..h * kv_len + len], (h / rep) * hd);
+        let o = &mut out[h * hd..(h + 1) * hd];
+        match hd {
+            64 => head_values::<64>(p, &values, voff, o),
+            _ => {
+                o.fill(0.0);
+                for (&p, v) in p.iter().zip(&values) {
+                    for (o, &x) in o.iter_mut().zip(&v[voff..voff + hd]) {
+                        *o = p.mul_add(x, *o);
+                    }
                 }
             }
         }
-    });
+    }
 }
 
 /// Query rows [`attend_rows`] scores side by side, one SIMD lane each.
@@ -387,6 +479,128 @@ mod tests {
             for ((a, b), c) in out.iter().zip(&want).zip(&out2) {
                 assert!((a - b).abs() < 1e-5, "len {len}: {a} vs {b}");
                 assert!((c - b).abs() < 1e-5, "len {len}: {c} vs {b}");
+            }
+        }
+    }
+
+    /// `attend_token` as first written: one score at a time, then the values position by
+    /// position. The blocked code must give its results bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_token_one_by_one(
+        heads: Heads,
+        q: &[f32],
+        pages: &[PageKv<'_>],
+        page_size: usize,
+        len: usize,
+        kv_len: usize,
+        rows: usize,
+        out: &mut [f32],
+    ) {
+        let (hd, rep, scale) = (heads.head_dim, heads.rep(), heads.scale());
+        let kv_dim = heads.kv_dim();
+        let kv_len = kv_len.max(len);
+        let dot = if rows * kv_len <= HORIZONTAL_MAX {
+            dot_lanes
+        } else {
+            dot_chain
+        };
+        let mut scores = vec![0f32; heads.n_head * kv_len];
+        for_each_row(
+            pages.iter().map(|p| p.0),
+            page_size,
+            len,
+            kv_dim,
+            |pos, row| {
+                for h in 0..heads.n_head {
+                    let kr = &row[(h / rep) * hd..(h / rep + 1) * hd];
+                    scores[h * kv_len + pos] = dot(&q[h * hd..(h + 1) * hd], kr) * scale;
+                }
+            },
+        );
+        for row in scores.chunks_exact_mut(kv_len) {
+            let max = row[..len].iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            for v in row[..len].iter_mut() {
+                *v = (*v - max).exp();
+            }
+            let sum = vec_sum(row);
+            for v in row[..len].iter_mut() {
+                *v /= sum;
+            }
+        }
+        out.fill(0.0);
+        for_each_row(
+            pages.iter().map(|p| p.1),
+            page_size,
+            len,
+            kv_dim,
+            |pos, row| {
+                for h in 0..heads.n_head {
+                    let p = scores[h * kv_len + pos];
+                    let vr = &row[(h / rep) * hd..(h / rep + 1) * hd];
+                    for (o, &x) in out[h * hd..(h + 1) * hd].iter_mut().zip(vr) {
+                        *o = p.mul_add(x, *o);
+                    }
+                }
+            },
+        );
+    }
+
+    /// Scores several positions at a time and values a head at a time change no bit, for
+    /// both summation orders, head sizes with and without a register-held path, and every
+    /// length across pages (so every remainder of the blocks of 4 and 8).
+    #[test]
+    fn blocked_scores_and_values_are_bit_identical_to_one_by_one() {
+        let mut seed = 11u32;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
+            (seed >> 8) as f32 / (1 << 24) as f32 - 0.5
+        };
+        for heads in [
+            Heads {
+                n_head: 9,
+                n_kv_head: 3,
+                head_dim: 64,
+            },
+            Heads {
+                n_head: 4,
+                n_kv_head: 2,
+                head_dim: 12,
+            },
+        ] {
+            let (kv_dim, d) = (heads.kv_dim(), heads.n_head * heads.head_dim);
+            let page_size = 16;
+            let total = 3 * page_size;
+            let pk: Vec<f32> = (0..total * kv_dim).map(|_| rnd() * 3.0).collect();
+            let pv: Vec<f32> = (0..total * kv_dim).map(|_| rnd()).collect();
+            let pages: Vec<PageKv> = pk
+                .chunks(page_size * kv_dim)
+                .zip(pv.chunks(page_size * kv_dim))
+                .collect();
+            let q: Vec<f32> = (0..d).map(|_| rnd() * 3.0).collect();
+            let mut scratch = Vec::new();
+            for len in 1..=total {
+                for rows in [1, 64] {
+                    let (mut got, mut want) = (vec![0f32; d], vec![0f32; d]);
+                    attend_token(
+                        heads,
+                        &q,
+                        &pages,
+                        page_size,
+                        len,
+                        len,
+                        rows,
+                        &mut got,
+                        &mut scratch,
+                    );
+                    attend_token_one_by_one(
+                        heads, &q, &pages, page_size, len, len, rows, &mut want,
+                    );
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{heads:?} len {len} rows {rows}");
+                }
             }
         }
     }

@@ -2,8 +2,9 @@
 //!
 //! Weights keep GGUF's quantized values but hold their scales as f32 (converted once at load),
 //! so the inner loops do no f16 conversion. Activations are quantized per matmul into
-//! Q8_1-style blocks (int8 values, a scale and the scaled sum of the values), which serve both
-//! weight formats: Q4_1 uses the sum for its offset `m`, Q8_0 ignores it.
+//! Q8_1-style blocks (int8 values, a scale and the sum of the values), which serve both
+//! weight formats: Q4_1 uses the scaled sum for its offset `m`, Q8_0's VNNI kernel the exact
+//! one to undo its unsigned shift.
 
 use half::f16;
 
@@ -87,13 +88,65 @@ pub struct BlockQ8_0 {
     pub qs: [i8; QK],
 }
 
-/// A quantized activation block: value `j` is about `d * qs[j]`; `s` is `d * sum(qs)`.
+/// Eight Q8_0 blocks at the same position of 8 consecutive weight rows, one 32-bit lane per
+/// row as in [`BlockQ4_1x8`]: `qs[v]` holds values `4v..4v + 4` of each row's block, row
+/// after row; `d` the 8 rows' scales.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C, align(32))]
+pub struct BlockQ8_0x8 {
+    pub qs: [[i8; 32]; 8],
+    pub d: [f32; 8],
+}
+
+impl BlockQ8_0x8 {
+    /// Row `c`'s block.
+    pub fn row(&self, c: usize) -> BlockQ8_0 {
+        BlockQ8_0 {
+            d: self.d[c],
+            qs: std::array::from_fn(|j| self.qs[j / 4][4 * c + j % 4]),
+        }
+    }
+}
+
+/// Interleave rows of Q8_0 blocks (`rows % 8 == 0`, `kb` blocks per row) into groups of 8
+/// rows: group `g`, block `b` at `g * kb + b`.
+pub fn q8_0_interleave8(rows: &[BlockQ8_0], kb: usize) -> Vec<BlockQ8_0x8> {
+    let n = rows.len() / kb;
+    assert!(n.is_multiple_of(8));
+    let mut out = Vec::with_capacity(rows.len() / 8);
+    for g in 0..n / 8 {
+        for b in 0..kb {
+            let blk = |c: usize| &rows[(g * 8 + c) * kb + b];
+            out.push(BlockQ8_0x8 {
+                qs: std::array::from_fn(|v| std::array::from_fn(|i| blk(i / 4).qs[4 * v + i % 4])),
+                d: std::array::from_fn(|c| blk(c).d),
+            });
+        }
+    }
+    out
+}
+
+/// The inverse of [`q8_0_interleave8`].
+pub fn q8_0_deinterleave8(groups: &[BlockQ8_0x8], kb: usize) -> Vec<BlockQ8_0> {
+    let ng = groups.len() / kb;
+    let mut out = Vec::with_capacity(groups.len() * 8);
+    for g in 0..ng {
+        for c in 0..8 {
+            out.extend(groups[g * kb..(g + 1) * kb].iter().map(|x| x.row(c)));
+        }
+    }
+    out
+}
+
+/// A quantized activation block: value `j` is about `d * qs[j]`; `s` is `d * sum(qs)` (as
+/// the reference rounds it, for Q4_1's offset term) and `sum` the exact `sum(qs)`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[repr(C, align(8))]
 pub struct BlockQ8_1 {
     pub d: f32,
     pub s: f32,
     pub qs: [i8; QK],
+    pub sum: i32,
 }
 
 impl BlockQ8_1 {
@@ -101,6 +154,7 @@ impl BlockQ8_1 {
         d: 0.0,
         s: 0.0,
         qs: [0; QK],
+        sum: 0,
     };
 }
 
@@ -148,8 +202,21 @@ pub fn q8_0_from_gguf(bytes: &[u8]) -> Vec<BlockQ8_0> {
 
 /// Quantize 32 values the way GGUF's (and candle's) `quantize_row_q8_0/q8_1` do: scale
 /// `amax / 127` rounded to f16, values rounded half away from zero with the unrounded scale.
-/// Returns (d, qs, sum of qs).
+/// Returns (d, qs, sum of qs). Every activation row of every matmul goes through here, so
+/// it has a SIMD path (bit-identical for finite inputs; `f32::round` is a libm call).
 fn quantize_32(x: &[f32]) -> (f32, [i8; QK], i32) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    // SAFETY: this build targets CPUs with AVX2 (the cfg above).
+    unsafe {
+        avx2::quantize_32(x.try_into().expect("a block is 32 values"))
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+    quantize_32_scalar(x)
+}
+
+// With AVX2 only the reference for the SIMD path's test.
+#[cfg_attr(all(target_arch = "x86_64", target_feature = "avx2"), allow(dead_code))]
+fn quantize_32_scalar(x: &[f32]) -> (f32, [i8; QK], i32) {
     let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
@@ -162,6 +229,57 @@ fn quantize_32(x: &[f32]) -> (f32, [i8; QK], i32) {
     (f16::from_f32(d).to_f32(), qs, sum)
 }
 
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::QK;
+
+    /// [`super::quantize_32_scalar`] on 4 vectors: the same max, the same scale and product
+    /// per value, and rounding half away from zero as `trunc(y) + (|y - trunc(y)| >= 0.5 ?
+    /// ±1 : 0)` (`y - trunc(y)` is exact), then packed to bytes.
+    #[target_feature(enable = "avx2")]
+    pub fn quantize_32(x: &[f32; QK]) -> (f32, [i8; QK], i32) {
+        // SAFETY: `x` is 32 readable f32; the loads are unaligned.
+        let v: [__m256; 4] =
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) });
+        let sign = _mm256_set1_ps(-0.0);
+        let abs = |v: __m256| _mm256_andnot_ps(sign, v);
+        let m = _mm256_max_ps(
+            _mm256_max_ps(abs(v[0]), abs(v[1])),
+            _mm256_max_ps(abs(v[2]), abs(v[3])),
+        );
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        let q: [__m256i; 4] = std::array::from_fn(|i| {
+            let y = _mm256_mul_ps(v[i], id);
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+            let away = _mm256_cmp_ps::<_CMP_GE_OQ>(abs(_mm256_sub_ps(y, t)), _mm256_set1_ps(0.5));
+            let step = _mm256_or_ps(_mm256_and_ps(y, sign), _mm256_set1_ps(1.0));
+            _mm256_cvtps_epi32(_mm256_add_ps(t, _mm256_and_ps(away, step)))
+        });
+        let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)));
+        // Saturating packs leave the 4-byte groups interleaved by lane; one permute orders them.
+        let p = _mm256_packs_epi16(
+            _mm256_packs_epi32(q[0], q[1]),
+            _mm256_packs_epi32(q[2], q[3]),
+        );
+        let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        let mut qs = [0i8; QK];
+        // SAFETY: `qs` is 32 writable bytes; the store is unaligned.
+        unsafe { _mm256_storeu_si256(qs.as_mut_ptr() as *mut __m256i, p) };
+        (f16::from_f32(d).to_f32(), qs, sum)
+    }
+}
+
 /// Quantize a row (length a multiple of 32) into activation blocks.
 pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
     debug_assert_eq!(x.len(), out.len() * QK);
@@ -169,7 +287,7 @@ pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
         let (d, qs, sum) = quantize_32(x);
         // As in the reference: the sum goes through f16 and so does its product with d.
         let s = f16::from_f32(f16::from_f32(sum as f32).to_f32() * d).to_f32();
-        *b = BlockQ8_1 { d, s, qs };
+        *b = BlockQ8_1 { d, s, qs, sum };
     }
 }
 
@@ -217,6 +335,45 @@ mod tests {
             for (&v, &qv) in x.iter().zip(&b.qs) {
                 assert!((v - b.d * qv as f32).abs() <= b.d * 0.51 + 1e-3);
             }
+        }
+    }
+
+    /// This build's quantizer (SIMD where the CPU has it) gives the scalar one's blocks bit
+    /// for bit, halfway values (rounded away from zero) and tiny ones included.
+    #[test]
+    fn block_quantizer_matches_the_scalar_one() {
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let mut blocks: Vec<Vec<f32>> = (0..2000)
+            .map(|i| {
+                let scale = [1e-6, 0.01, 1.0, 37.0, 1e4][i % 5];
+                (0..QK).map(|_| (next() * 2.0 - 1.0) * scale).collect()
+            })
+            .collect();
+        // amax 127 makes the scale 1, so k + 0.5 lands exactly halfway.
+        blocks.push(
+            (0..QK)
+                .map(|j| if j == 0 { 127.0 } else { j as f32 - 16.5 })
+                .collect(),
+        );
+        blocks.push(
+            (0..QK)
+                .map(|j| if j == 0 { -127.0 } else { 0.5 - j as f32 })
+                .collect(),
+        );
+        blocks.push(vec![0.0; QK]);
+        blocks.push(
+            (0..QK)
+                .map(|j| if j % 2 == 0 { -0.0 } else { 0.0 })
+                .collect(),
+        );
+        for x in &blocks {
+            assert_eq!(quantize_32(x), quantize_32_scalar(x), "{x:?}");
         }
     }
 

@@ -3,13 +3,17 @@
 //!
 //! Per block the math is that of ggml's `vec_dot_q4_1_q8_1` / `vec_dot_q8_0_q8_0`:
 //! `sum_j (dw*qw_j + mw) * da*qa_j = dw*da * sum_j qw_j*qa_j + mw * sa`, the integer sum
-//! exact. The float steps follow candle's kernels (the reference forward's) operation by
-//! operation, so the results are bit-identical to them: Q4_1 as its generic
-//! `vec_dot_q4_1_q8_1` (scalar float order, here one SIMD lane per weight row), Q8_0 as
-//! its AVX2 `vec_dot_q8_0_q8_0` (8-lane fused multiply-add, then a horizontal sum). Without
-//! AVX2 the scalar path is used (candle's generic order for both).
+//! exact. For Q4_1 the float steps follow candle's generic `vec_dot_q4_1_q8_1` (the
+//! reference forward's) operation by operation, one SIMD lane per weight row, so results are
+//! bit-identical to it. For Q8_0 the row-by-row tiles follow candle's AVX2
+//! `vec_dot_q8_0_q8_0` (8-lane fused multiply-add, then a horizontal sum; bit-identical);
+//! the 8-row group tiles that serve every Q8_0 matrix of a model (row counts are multiples
+//! of 8) add one fused multiply-add per block instead, which differs from it by float
+//! rounding only (a relative 1e-6 or so) and lets a block's 32 products stay integer.
+//! Without AVX2 the scalar paths are used (the same per-lane order as the group tiles,
+//! candle's generic order for the rest).
 
-use super::blocks::{BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_1, QK};
+use super::blocks::{BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_0x8, BlockQ8_1, QK};
 
 /// Integer dot product of a Q4_1 block's values with an activation block's values.
 #[inline(always)]
@@ -82,6 +86,25 @@ pub fn tile_q8_0_scalar<const R: usize, const C: usize>(
     }
 }
 
+/// Scalar tile of R activation rows against one group of 8 Q8_0 rows: per block, the exact
+/// integer sum, then `acc = fma(dw * da, isum, acc)` (the SIMD path's per-lane order).
+pub fn tile_q8_0x8_scalar<const R: usize>(
+    a: &[&[BlockQ8_1]; R],
+    g: &[BlockQ8_0x8],
+    out: &mut [[f32; 8]; R],
+) {
+    for (ar, o) in a.iter().zip(out.iter_mut()) {
+        for (c, o) in o.iter_mut().enumerate() {
+            let mut sum = 0f32;
+            for (x, ab) in g.iter().zip(ar.iter()) {
+                let wb = x.row(c);
+                sum = (wb.d * ab.d).mul_add(isum_q8_0(&wb, ab) as f32, sum);
+            }
+            *o = sum;
+        }
+    }
+}
+
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
@@ -90,7 +113,7 @@ pub fn tile_q8_0_scalar<const R: usize, const C: usize>(
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_1};
+    use super::{BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_0x8, BlockQ8_1};
 
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -280,6 +303,69 @@ mod avx2 {
         }
     }
 
+    /// Q8_0 tile of one 8-row group (`BlockQ8_0x8`), laid out as the Q4_1 groups: each
+    /// vector of 4 values of 8 rows times 4 activation bytes broadcast, row `c`'s sum in lane
+    /// `c`. VNNI's `vpdpbusd` multiplies unsigned by signed bytes, so the weights go in
+    /// shifted by 128 (`w ^ 0x80` is `w + 128` as an unsigned byte) and the sum starts at
+    /// `-128 * sum(a)`, which cancels the shift exactly. On AVX2 the sign moves onto the
+    /// activations (`|w| * sign(a, w)`, ggml's trick) and each `maddubs` pair (at most
+    /// 2 x 128 x 127) widens to i32 at once. Then one fused multiply-add per block and lane,
+    /// as [`super::tile_q8_0x8_scalar`] does: bit-identical to it.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub fn tile_q8_0x8<const R: usize>(
+        a: &[&[BlockQ8_1]; R],
+        g: &[BlockQ8_0x8],
+        out: &mut [[f32; 8]; R],
+    ) {
+        let nb = a[0].len();
+        let a: [&[BlockQ8_1]; R] = std::array::from_fn(|r| &a[r][..nb]);
+        let g = &g[..nb];
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (b, x) in g.iter().enumerate() {
+            // SAFETY: `d` is 8 f32 at a 32-byte aligned offset of a 32-byte aligned block.
+            let wd = unsafe { _mm256_load_ps(x.d.as_ptr()) };
+            #[cfg(all(target_feature = "avx512vnni", target_feature = "avx512vl"))]
+            let mut isum: [__m256i; R] =
+                std::array::from_fn(|r| _mm256_set1_epi32(-128 * a[r][b].sum));
+            #[cfg(not(all(target_feature = "avx512vnni", target_feature = "avx512vl")))]
+            let mut isum = [_mm256_setzero_si256(); R];
+            for v in 0..8 {
+                // SAFETY: `qs[v]` is 32 bytes at a 32-byte aligned offset of a 32-byte
+                // aligned block.
+                let q = unsafe { _mm256_load_si256(x.qs[v].as_ptr() as *const __m256i) };
+                #[cfg(all(target_feature = "avx512vnni", target_feature = "avx512vl"))]
+                let u = _mm256_xor_si256(q, _mm256_set1_epi8(-128));
+                #[cfg(not(all(target_feature = "avx512vnni", target_feature = "avx512vl")))]
+                let u = _mm256_abs_epi8(q);
+                for r in 0..R {
+                    // SAFETY: `qs` is 32 readable bytes; 4v + 4 <= 32.
+                    let y = unsafe { (a[r][b].qs.as_ptr() as *const i32).add(v).read_unaligned() };
+                    let y = _mm256_set1_epi32(y);
+                    #[cfg(all(target_feature = "avx512vnni", target_feature = "avx512vl"))]
+                    // SAFETY: this build targets CPUs with AVX-512 VNNI and VL (the cfg above).
+                    unsafe {
+                        isum[r] = _mm256_dpbusd_epi32(isum[r], u, y);
+                    }
+                    #[cfg(not(all(target_feature = "avx512vnni", target_feature = "avx512vl")))]
+                    {
+                        let p = _mm256_maddubs_epi16(u, _mm256_sign_epi8(y, q));
+                        isum[r] =
+                            _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+                    }
+                }
+            }
+            for r in 0..R {
+                let d = _mm256_mul_ps(wd, _mm256_set1_ps(a[r][b].d));
+                acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            }
+        }
+        for r in 0..R {
+            // SAFETY: `out[r]` is 8 writable f32; the store is unaligned.
+            unsafe { _mm256_storeu_ps(out[r].as_mut_ptr(), acc[r]) };
+        }
+    }
+
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub fn tile_q8_0<const R: usize, const C: usize>(
@@ -366,6 +452,32 @@ pub fn tile_q4_1x8<const R: usize>(
         target_feature = "f16c"
     )))]
     tile_q4_1x8_scalar(a, g, out);
+}
+
+/// 8-row Q8_0 group tile on the fastest path this build has (bit-identical to the scalar
+/// one).
+#[inline(always)]
+pub fn tile_q8_0x8<const R: usize>(
+    a: &[&[BlockQ8_1]; R],
+    g: &[BlockQ8_0x8],
+    out: &mut [[f32; 8]; R],
+) {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    // SAFETY: this build targets CPUs with AVX2 and FMA (the cfg above), so the
+    // target-feature function runs on a CPU that has them.
+    unsafe {
+        avx2::tile_q8_0x8(a, g, out)
+    };
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    tile_q8_0x8_scalar(a, g, out);
 }
 
 /// Q8_0 tile on the fastest path this build has.

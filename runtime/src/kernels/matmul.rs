@@ -3,16 +3,16 @@
 //! Each activation row is quantized once per call; the output columns are split into chunks
 //! across rayon's pool, and inside a chunk tiles of several activation rows against a group
 //! of weight rows walk the chunk's weights once per tile, so batched decode and prefill
-//! reuse them from cache. Q4_1 weights are kept in groups of 8 rows (`BlockQ4_1x8`: one SIMD
-//! lane per weight row, no horizontal sums; a row count that is not a multiple of 8 keeps
-//! them row by row); Q8_0 (the tied output matrix) row by row, in 4x4 tiles.
+//! reuse them from cache. Weights are kept in groups of 8 rows (`BlockQ4_1x8`,
+//! `BlockQ8_0x8`: one SIMD lane per weight row, no horizontal sums); a matrix whose row count
+//! is not a multiple of 8 keeps them row by row, in 4x4 tiles.
 
 use rayon::prelude::*;
 
 use super::blocks::{
-    BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_1, QK, dequantize_q4_1, dequantize_q8_0,
-    q4_1_deinterleave8, q4_1_from_gguf, q4_1_interleave8, q8_0_from_gguf, quantize_row_q8_0,
-    quantize_row_q8_1,
+    BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_0x8, BlockQ8_1, QK, dequantize_q4_1,
+    dequantize_q8_0, q4_1_deinterleave8, q4_1_from_gguf, q4_1_interleave8, q8_0_deinterleave8,
+    q8_0_from_gguf, q8_0_interleave8, quantize_row_q8_0, quantize_row_q8_1,
 };
 use super::dot;
 
@@ -51,13 +51,33 @@ impl TileBlock for BlockQ8_0 {
     }
 }
 
+/// A block type of 8 weight rows with a tile kernel.
+trait GroupBlock: Copy + Send + Sync {
+    fn tile<const R: usize>(a: &[&[BlockQ8_1]; R], g: &[Self], out: &mut [[f32; 8]; R]);
+}
+
+impl GroupBlock for BlockQ4_1x8 {
+    #[inline(always)]
+    fn tile<const R: usize>(a: &[&[BlockQ8_1]; R], g: &[Self], out: &mut [[f32; 8]; R]) {
+        dot::tile_q4_1x8(a, g, out)
+    }
+}
+
+impl GroupBlock for BlockQ8_0x8 {
+    #[inline(always)]
+    fn tile<const R: usize>(a: &[&[BlockQ8_1]; R], g: &[Self], out: &mut [[f32; 8]; R]) {
+        dot::tile_q8_0x8(a, g, out)
+    }
+}
+
+/// The blocks of a matrix: in groups of 8 rows, one lane per row (see `BlockQ4_1x8`), or
+/// row by row when the row count is not a multiple of 8.
 #[derive(Debug, Clone, PartialEq)]
 enum Blocks {
-    /// Row by row (when the row count is not a multiple of 8).
     Q4_1(Vec<BlockQ4_1>),
-    /// Groups of 8 rows, one lane per row (see `BlockQ4_1x8`).
     Q4_1x8(Vec<BlockQ4_1x8>),
     Q8_0(Vec<BlockQ8_0>),
+    Q8_0x8(Vec<BlockQ8_0x8>),
 }
 
 /// A weight matrix `[n, k]` (k a multiple of 32), row-major blocks.
@@ -101,12 +121,30 @@ impl QWeight {
         QWeight { n, k, blocks }
     }
 
+    fn q8_0_rows(rows: Vec<BlockQ8_0>, n: usize, k: usize) -> Self {
+        let blocks = if n.is_multiple_of(8) {
+            Blocks::Q8_0x8(q8_0_interleave8(&rows, k / QK))
+        } else {
+            Blocks::Q8_0(rows)
+        };
+        QWeight { n, k, blocks }
+    }
+
     /// Q4_1 blocks row by row, whatever the layout.
     fn q4_1_row_blocks(&self) -> Option<Vec<BlockQ4_1>> {
         match &self.blocks {
             Blocks::Q4_1(b) => Some(b.clone()),
             Blocks::Q4_1x8(g) => Some(q4_1_deinterleave8(g, self.k / QK)),
-            Blocks::Q8_0(_) => None,
+            Blocks::Q8_0(_) | Blocks::Q8_0x8(_) => None,
+        }
+    }
+
+    /// Q8_0 blocks row by row, whatever the layout.
+    fn q8_0_row_blocks(&self) -> Option<Vec<BlockQ8_0>> {
+        match &self.blocks {
+            Blocks::Q8_0(b) => Some(b.clone()),
+            Blocks::Q8_0x8(g) => Some(q8_0_deinterleave8(g, self.k / QK)),
+            Blocks::Q4_1(_) | Blocks::Q4_1x8(_) => None,
         }
     }
 
@@ -114,11 +152,7 @@ impl QWeight {
     pub fn from_gguf_q8_0(bytes: &[u8], n: usize, k: usize) -> Self {
         let b = q8_0_from_gguf(bytes);
         Self::check(n, k, b.len());
-        QWeight {
-            n,
-            k,
-            blocks: Blocks::Q8_0(b),
-        }
+        Self::q8_0_rows(b, n, k)
     }
 
     /// Quantize f32 weights `[n, k]` to Q8_0.
@@ -127,11 +161,7 @@ impl QWeight {
         let mut b = Vec::with_capacity(n * k / QK);
         quantize_row_q8_0(w, &mut b);
         Self::check(n, k, b.len());
-        QWeight {
-            n,
-            k,
-            blocks: Blocks::Q8_0(b),
-        }
+        Self::q8_0_rows(b, n, k)
     }
 
     /// Stack matrices of the same `k` and format row-wise (e.g. Q, K and V projections), so
@@ -140,23 +170,22 @@ impl QWeight {
         let k = parts[0].k;
         let n = parts.iter().map(|p| p.n).sum();
         assert!(parts.iter().all(|p| p.k == k), "concat needs one k");
-        if parts[0].format() == QFormat::Q4_1 {
-            let rows = parts
-                .iter()
-                .flat_map(|p| p.q4_1_row_blocks().expect("concat needs one format"))
-                .collect();
-            return Self::q4_1_rows(rows, n, k);
+        match parts[0].format() {
+            QFormat::Q4_1 => {
+                let rows = parts
+                    .iter()
+                    .flat_map(|p| p.q4_1_row_blocks().expect("concat needs one format"))
+                    .collect();
+                Self::q4_1_rows(rows, n, k)
+            }
+            QFormat::Q8_0 => {
+                let rows = parts
+                    .iter()
+                    .flat_map(|p| p.q8_0_row_blocks().expect("concat needs one format"))
+                    .collect();
+                Self::q8_0_rows(rows, n, k)
+            }
         }
-        let blocks = Blocks::Q8_0(
-            parts
-                .into_iter()
-                .flat_map(|p| match p.blocks {
-                    Blocks::Q8_0(b) => b,
-                    _ => panic!("concat needs one format"),
-                })
-                .collect(),
-        );
-        QWeight { n, k, blocks }
     }
 
     pub fn rows(&self) -> usize {
@@ -168,7 +197,7 @@ impl QWeight {
     pub fn format(&self) -> QFormat {
         match self.blocks {
             Blocks::Q4_1(_) | Blocks::Q4_1x8(_) => QFormat::Q4_1,
-            Blocks::Q8_0(_) => QFormat::Q8_0,
+            Blocks::Q8_0(_) | Blocks::Q8_0x8(_) => QFormat::Q8_0,
         }
     }
 
@@ -187,6 +216,15 @@ impl QWeight {
                 }
             }
             Blocks::Q8_0(b) => dequantize_q8_0(&b[r * kb..(r + 1) * kb], out),
+            Blocks::Q8_0x8(g) => {
+                let (grp, c) = (r / 8, r % 8);
+                for (x, o) in g[grp * kb..(grp + 1) * kb]
+                    .iter()
+                    .zip(out.chunks_exact_mut(QK))
+                {
+                    dequantize_q8_0(&[x.row(c)], o);
+                }
+            }
         }
     }
 
@@ -221,6 +259,7 @@ impl QWeight {
             Blocks::Q4_1(b) => run(b, self.n, kb, &acts, t, y),
             Blocks::Q4_1x8(g) => run_x8(g, self.n, kb, &acts, t, y),
             Blocks::Q8_0(b) => run(b, self.n, kb, &acts, t, y),
+            Blocks::Q8_0x8(g) => run_x8(g, self.n, kb, &acts, t, y),
         }
     }
 }
@@ -328,17 +367,24 @@ fn run<B: TileBlock>(w: &[B], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize,
 /// values; with AVX2's 16 they would spill, so tiles stop at 4 rows.
 const WIDE_ROW_TILES: bool = cfg!(all(target_arch = "x86_64", target_feature = "avx512vl"));
 
-/// [`run`] for 8-row Q4_1 groups (`n % 8 == 0`): chunks of whole groups, tiles of 8, 4 or
-/// 1 activation rows against one group (each weight block unpacked once per tile).
-fn run_x8(g: &[BlockQ4_1x8], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, y: &mut [f32]) {
+/// [`run`] for 8-row groups (`n % 8 == 0`): chunks of whole groups, tiles of 8, 4 or 1
+/// activation rows against one group (each weight block loaded once per tile).
+fn run_x8<G: GroupBlock>(
+    g: &[G],
+    n: usize,
+    kb: usize,
+    acts: &[BlockQ8_1],
+    t: usize,
+    y: &mut [f32],
+) {
     let groups = n / 8;
     let threads = rayon::current_num_threads().max(1);
     let tasks = (threads * 8).min(groups.div_ceil(2)).max(1);
     let chunk = groups.div_ceil(tasks);
     let tasks = groups.div_ceil(chunk);
     let out = OutPtr(y.as_mut_ptr());
-    fn tiles<const R: usize>(
-        g: &[BlockQ4_1x8],
+    fn tiles<G: GroupBlock, const R: usize>(
+        g: &[G],
         kb: usize,
         groups: std::ops::Range<usize>,
         a: [&[BlockQ8_1]; R],
@@ -348,7 +394,7 @@ fn run_x8(g: &[BlockQ4_1x8], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, 
     ) {
         for grp in groups {
             let mut o = [[0f32; 8]; R];
-            dot::tile_q4_1x8(&a, &g[grp * kb..(grp + 1) * kb], &mut o);
+            G::tile(&a, &g[grp * kb..(grp + 1) * kb], &mut o);
             // SAFETY: rows r..r+R < t, columns of group grp, one of this task's.
             unsafe { out.write_tile(n, r, grp * 8, &o) };
         }
@@ -364,7 +410,7 @@ fn run_x8(g: &[BlockQ4_1x8], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, 
                 _ => 1,
             };
             match rows {
-                8 => tiles::<8>(
+                8 => tiles::<G, 8>(
                     g,
                     kb,
                     range.clone(),
@@ -373,7 +419,7 @@ fn run_x8(g: &[BlockQ4_1x8], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, 
                     r,
                     out,
                 ),
-                4 => tiles::<4>(
+                4 => tiles::<G, 4>(
                     g,
                     kb,
                     range.clone(),
@@ -382,7 +428,7 @@ fn run_x8(g: &[BlockQ4_1x8], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize, 
                     r,
                     out,
                 ),
-                _ => tiles::<1>(g, kb, range.clone(), [arow(r)], n, r, out),
+                _ => tiles::<G, 1>(g, kb, range.clone(), [arow(r)], n, r, out),
             }
             r += rows;
         }
@@ -592,6 +638,74 @@ mod tests {
             tile_q4_1_scalar(&a, &[&rows[c * kb..(c + 1) * kb]], &mut o);
             for r in 0..8 {
                 assert_eq!(y[r * 16 + c], o[r][0], "row {r}, column {c}");
+            }
+        }
+    }
+
+    /// 8-row Q8_0 groups: this build's path and the scalar one are bit-identical, within
+    /// float rounding of the row-by-row tiles (another add order), for tiles of 1, 4 and 8
+    /// activation rows and every int8 weight value (-128 included: the VNNI path shifts
+    /// weights by 128, the AVX2 one takes their magnitude); the layout round-trips.
+    #[test]
+    fn eight_row_q8_0_groups_match_rows() {
+        let mut rng = Lcg(29);
+        let kb = 9;
+        let mut bytes = Vec::new();
+        for i in 0..16 * kb {
+            bytes.extend_from_slice(&half::f16::from_f32(rng.f32() * 0.02 + 1e-3).to_le_bytes());
+            bytes.extend((0..QK).map(|j| {
+                if (i + j) % 11 == 0 {
+                    0x80
+                } else {
+                    rng.next() as u8
+                }
+            }));
+        }
+        let rows = q8_0_from_gguf(&bytes);
+        assert!(rows.iter().any(|b| b.qs.contains(&-128)));
+        let groups = q8_0_interleave8(&rows, kb);
+        assert_eq!(q8_0_deinterleave8(&groups, kb), rows);
+        let x: Vec<f32> = (0..8 * kb * QK).map(|_| rng.f32() * 2.0 - 1.0).collect();
+        let mut acts = vec![BlockQ8_1::ZERO; 8 * kb];
+        for (a, x) in acts.chunks_mut(kb).zip(x.chunks(kb * QK)) {
+            quantize_row_q8_1(x, a);
+        }
+        fn check<const R: usize>(
+            acts: &[BlockQ8_1],
+            rows: &[BlockQ8_0],
+            g: &[BlockQ8_0x8],
+            kb: usize,
+        ) {
+            let a: [&[BlockQ8_1]; R] = std::array::from_fn(|i| &acts[i * kb..(i + 1) * kb]);
+            for grp in 0..2 {
+                let gw = &g[grp * kb..(grp + 1) * kb];
+                let w: [&[BlockQ8_0]; 8] =
+                    std::array::from_fn(|c| &rows[(grp * 8 + c) * kb..(grp * 8 + c + 1) * kb]);
+                let (mut plain, mut fast, mut slow) =
+                    ([[0f32; 8]; R], [[0f32; 8]; R], [[0f32; 8]; R]);
+                tile_q8_0_scalar(&a, &w, &mut plain);
+                dot::tile_q8_0x8(&a, gw, &mut fast);
+                dot::tile_q8_0x8_scalar(&a, gw, &mut slow);
+                assert_eq!(fast, slow, "{R} rows, group {grp}");
+                for (f, p) in fast.iter().flatten().zip(plain.iter().flatten()) {
+                    assert!((f - p).abs() <= 1e-5 * p.abs().max(1.0), "{f} vs {p}");
+                }
+            }
+        }
+        check::<1>(&acts, &rows, &groups, kb);
+        check::<4>(&acts, &rows, &groups, kb);
+        check::<8>(&acts, &rows, &groups, kb);
+        // And through a whole matmul (8-row groups, as n = 16 picks).
+        let w = QWeight::q8_0_rows(rows.clone(), 16, kb * QK);
+        assert!(matches!(w.blocks, Blocks::Q8_0x8(_)));
+        let mut y = vec![0f32; 8 * 16];
+        w.matmul(&x, 8, &mut y);
+        let a: [&[BlockQ8_1]; 8] = std::array::from_fn(|i| &acts[i * kb..(i + 1) * kb]);
+        for grp in 0..2 {
+            let mut o = [[0f32; 8]; 8];
+            dot::tile_q8_0x8_scalar(&a, &groups[grp * kb..(grp + 1) * kb], &mut o);
+            for r in 0..8 {
+                assert_eq!(&y[r * 16 + grp * 8..r * 16 + grp * 8 + 8], &o[r], "row {r}");
             }
         }
     }
