@@ -469,6 +469,36 @@ async fn a_request_finding_every_instance_slot_busy_gets_503() {
     Arc::into_inner(srv).unwrap().stop().await;
 }
 
+/// With one instance slot, a request that arrives while the slot is still held by a request
+/// that has already answered (its guest still running for a few ms, or its store still being
+/// reset, which happens after the response goes out) waits for the slot and is served;
+/// and a client sending each request as soon as it has the previous answer always is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_a_slot_about_to_be_freed() {
+    let mut cfg = config(&temp_dir("one-slot"));
+    cfg.workers.pool_slots = 1;
+    let srv = Server::start_with(cfg).await;
+    let (acct, _, tok) = srv.tenant("one-slot").await;
+    let (s, b) = srv
+        .deploy(&acct, &tok, "w", "", guest::component(&NO_AI))
+        .await;
+    assert_eq!(s, 200, "{b}");
+    for i in 0..20 {
+        // `/w` answers at once and holds its slot 5 ms longer.
+        let r = srv.call(&acct, "w", "/w").await;
+        assert_eq!(r.status(), 200, "round {i}");
+        let r = srv.call(&acct, "w", "/o").await;
+        assert_eq!(r.status(), 200, "round {i}: {}", r.text().await.unwrap());
+    }
+    for i in 0..200 {
+        let r = srv.call(&acct, "w", "/o").await;
+        assert_eq!(r.status(), 200, "request {i}: {}", r.text().await.unwrap());
+    }
+    counted(&srv, "ok", 240).await;
+    assert_eq!(srv.requests("overloaded").await, 0);
+    srv.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn time_waiting_on_ai_run_is_not_cpu_time() {
     let srv = Server::start_with(config(&temp_dir("ai-wait"))).await;

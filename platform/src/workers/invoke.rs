@@ -7,9 +7,11 @@
 //!                  stored precompiled copy | compile the stored component
 //!         ── body within max_request_bytes (413/3006)
 //!         ── a fresh Store: limiter (memory), call hook (guest clock), epoch deadline (CPU)
-//!         ── run: instantiate from the template, call wasi:http incoming-handler.handle,
-//!                all within the wall-clock limit, in the request's own task until the
-//!                guest answers (the rest, if any, in a spawned task)
+//!         ── run: instantiate from the template (waiting up to 20 ms for a pooled slot
+//!                when every one is taken), call wasi:http incoming-handler.handle, all
+//!                within the wall-clock limit, in the request's own task until the guest
+//!                answers (the rest, if any, in a spawned task); the store drops (its slot
+//!                reset) in a task of its own
 //!         ── the guest's response: status and headers (content-length over the limit:
 //!            500/1107), the body streamed through a byte cap; or, when the guest never
 //!            answered, its failure: 503/1102 CPU, 503/1103 wall clock, 500/1106 memory,
@@ -36,6 +38,7 @@ use parking_lot::Mutex;
 use wasmtime::Store;
 use wasmtime_wasi_http::WasiHttpView;
 use wasmtime_wasi_http::p2::bindings::http::types::Scheme;
+use wasmtime_wasi_http::p2::bindings::{Proxy, ProxyPre};
 use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 
 use super::ai::AiCtx;
@@ -164,6 +167,42 @@ fn exception(name: &str) -> ApiError {
     )
 }
 
+/// How long a request waits for a pooled instance slot when every one is taken before it is
+/// refused (503/3040): enough for the slot of a request that has just answered to be reset,
+/// far less than a client would notice.
+const SLOT_WAIT: Duration = Duration::from_millis(20);
+
+fn pool_is_full(e: &wasmtime::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<wasmtime::PoolConcurrencyLimitError>()
+            .is_some()
+    })
+}
+
+/// A fresh instance of the worker's template in `store`; when every pooled slot is taken,
+/// tries again each time one is freed, for up to [`SLOT_WAIT`].
+async fn instantiate(
+    pre: &ProxyPre<WorkerState>,
+    store: &mut Store<WorkerState>,
+    slot_freed: &tokio::sync::Notify,
+) -> wasmtime::Result<Proxy> {
+    let deadline = tokio::time::Instant::now() + SLOT_WAIT;
+    loop {
+        // Registered before trying, so a slot freed in between is not missed.
+        let freed = slot_freed.notified();
+        tokio::pin!(freed);
+        freed.as_mut().enable();
+        match pre.instantiate_async(&mut *store).await {
+            Err(e) if pool_is_full(&e) => {
+                if tokio::time::timeout_at(deadline, freed).await.is_err() {
+                    return Err(e);
+                }
+            }
+            done => return done,
+        }
+    }
+}
+
 fn classify(e: &wasmtime::Error, hit: Option<Limit>) -> Failure {
     if let Some(l) = hit {
         return Failure::Limit(l);
@@ -172,12 +211,9 @@ fn classify(e: &wasmtime::Error, hit: Option<Limit>) -> Failure {
         if let Some(l) = cause.downcast_ref::<Limit>() {
             return Failure::Limit(*l);
         }
-        if cause
-            .downcast_ref::<wasmtime::PoolConcurrencyLimitError>()
-            .is_some()
-        {
-            return Failure::Overloaded;
-        }
+    }
+    if pool_is_full(e) {
+        return Failure::Overloaded;
     }
     Failure::Trap(format!("{e:#}"))
 }
@@ -287,10 +323,11 @@ pub async fn invoke(
     let wall = Duration::from_millis(settings.wall_ms.max(1) as u64);
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Option<Failure>>();
     let task_tally = tally.clone();
+    let guest_host = host.clone();
     let (task_tenant, task_name) = (tenant.to_string(), name.to_string());
     let guest = async move {
         let run = async {
-            let proxy = pre.instantiate_async(&mut store).await?;
+            let proxy = instantiate(&pre, &mut store, &guest_host.slot_freed).await?;
             proxy
                 .wasi_http_incoming_handler()
                 .call_handle(&mut store, guest_req, out)
@@ -314,11 +351,14 @@ pub async fn invoke(
         }
         let _ = done_tx.send(failure);
         drop(task_tally);
-        // The store drops here, before the response is handed on: that frees the instance's
-        // pooled slot (a page-map scan and decommits, tens of microseconds), so a client
-        // that sends its next request as soon as it has the answer always finds the slot
-        // free. Dropping it later (in a task of its own) let that request see 503/3040.
-        drop(store);
+        // Dropping the store resets its pooled instance slot (a page-map scan, the memory
+        // image copied back over the dirtied pages: 50-150 us, more when caches are cold),
+        // so it happens in a task of its own, after the response is handed on. A request
+        // that meanwhile finds every slot taken waits for this (`instantiate`).
+        tokio::spawn(async move {
+            drop(store);
+            guest_host.slot_freed.notify_waiters();
+        });
     };
 
     // The guest runs in this task until it answers, so a guest that answers at once (most

@@ -243,6 +243,9 @@ pub struct WorkerHost {
     compile_gate: tokio::sync::Semaphore,
     pub metrics: WorkerMetrics,
     pub tick: Duration,
+    /// Told each time a request's store has dropped and so freed its pooled instance slot,
+    /// for requests that found every slot taken (see `invoke`).
+    pub slot_freed: tokio::sync::Notify,
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -370,6 +373,7 @@ impl WorkerHost {
             loading: Mutex::new(HashMap::new()),
             metrics: WorkerMetrics::new(),
             tick,
+            slot_freed: tokio::sync::Notify::new(),
         }))
     }
 

@@ -9,6 +9,8 @@
 //! - `t`: traps (`unreachable`)
 //! - `n`: returns without a response
 //! - `s`: waits 60 s on a host timer (no CPU; the wall-clock limit)
+//! - `w`: answers 200 at once, then waits 5 ms on a host timer before it returns (work
+//!   after the response, holding its instance)
 //! - `b`: streams a body of `BIG` bytes, no content-length
 //! - `c`: declares `content-length: 999999999`, then writes 2 bytes
 //! - `a`: calls `AI.run(MODEL, INPUTS, OPTIONS)` `CALLS` times and answers the last result:
@@ -218,6 +220,11 @@ pub fn wat(ai: &Ai) -> String {
       (then unreachable))
     (if (i32.eq (local.get $c) (i32.const 110)) ;; n
       (then (return)))
+    (if (i32.eq (local.get $c) (i32.const 119)) ;; w
+      (then
+        (call $respond (local.get $out) (i32.const 200) (i32.const 1056) (i32.const 2))
+        (call $block (call $subscribe (i64.const 5000000)))
+        (return)))
     (if (i32.eq (local.get $c) (i32.const 115)) ;; s
       (then (call $block (call $subscribe (i64.const 60000000000)))
         (call $respond (local.get $out) (i32.const 200) (i32.const 1056) (i32.const 2))
