@@ -105,36 +105,38 @@ export class Ai {
   }
 }
 
-async function dispatch(worker, request, env, ctx) {
-  const handler = worker && worker.fetch;
-  if (typeof handler !== "function") {
-    throw new TypeError("the worker's default export has no fetch(request, env, ctx) method");
-  }
-  const response = await handler.call(worker, request, env, ctx);
-  if (!(response instanceof Response)) {
-    throw new TypeError("fetch() must return a Response");
-  }
-  return response;
-}
-
 /** Serves `worker` (the tenant module's default export) on the fetch event. */
 export function serve(worker) {
   const env = Object.freeze({ AI: new Ai() });
+  // An uncaught exception is reported to the host, which ends the request as 500/1101 and
+  // counts it (the engine's own answer would be a plain 500 the host cannot tell from one
+  // the worker meant). The report traps the guest, so nothing runs after it.
+  const fail = (e) => {
+    const message = e && e.stack ? `${e}\n${e.stack}` : String(e);
+    console.error(`uncaught: ${message}`);
+    uncaught(message);
+    throw e;
+  };
+  const checked = (response) => {
+    if (!(response instanceof Response)) fail(new TypeError("fetch() must return a Response"));
+    return response;
+  };
   addEventListener("fetch", (event) => {
     const ctx = {
       waitUntil: (p) => event.waitUntil(p),
       passThroughOnException() {},
     };
-    // An uncaught exception is reported to the host, which ends the request as 500/1101
-    // and counts it (the engine's own answer would be a plain 500 the host cannot tell
-    // from one the worker meant).
-    event.respondWith(
-      dispatch(worker, event.request, env, ctx).catch((e) => {
-        const message = e && e.stack ? `${e}\n${e.stack}` : String(e);
-        console.error(`uncaught: ${message}`);
-        uncaught(message);
-        throw e;
-      }),
-    );
+    // One promise on top of the handler's own (SpiderMonkey records a stack for every
+    // promise it makes), none when the handler answers synchronously.
+    try {
+      const handler = worker && worker.fetch;
+      if (typeof handler !== "function") {
+        throw new TypeError("the worker's default export has no fetch(request, env, ctx) method");
+      }
+      const answer = handler.call(worker, event.request, env, ctx);
+      event.respondWith(answer instanceof Promise ? answer.then(checked, fail) : checked(answer));
+    } catch (e) {
+      fail(e);
+    }
   });
 }
