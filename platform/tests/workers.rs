@@ -499,6 +499,35 @@ async fn a_request_waits_for_a_slot_about_to_be_freed() {
     srv.stop().await;
 }
 
+/// A client that leaves before the worker answers stops the guest, which is counted as
+/// `client_gone` (not as the `ok` it had not earned), and its instance slot is freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_before_the_answer_is_counted_as_gone() {
+    let mut cfg = config(&temp_dir("gone"));
+    cfg.workers.pool_slots = 1;
+    let srv = Server::start_with(cfg).await;
+    let (acct, _, tok) = srv.tenant("gone").await;
+    let (s, b) = srv
+        .deploy(&acct, &tok, "w", "?wall_ms=30000", guest::component(&NO_AI))
+        .await;
+    assert_eq!(s, 200, "{b}");
+    // `/s` waits 60 s on a host timer; the client gives up after 300 ms.
+    let e = srv
+        .http
+        .get(srv.url(&format!("/workers/{acct}/w/s")))
+        .timeout(std::time::Duration::from_millis(300))
+        .send()
+        .await
+        .unwrap_err();
+    assert!(e.is_timeout(), "{e}");
+    counted(&srv, "client_gone", 1).await;
+    assert_eq!(srv.requests("ok").await, 0);
+    // The only slot is free again.
+    let r = srv.call(&acct, "w", "/o").await;
+    assert_eq!(r.status(), 200);
+    srv.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn time_waiting_on_ai_run_is_not_cpu_time() {
     let srv = Server::start_with(config(&temp_dir("ai-wait"))).await;

@@ -19,7 +19,8 @@
 //! ```
 //!
 //! Every request is counted once in `bulkhead_worker_requests{outcome}` when both the guest
-//! and the response body are done, with the first failure of either as its outcome.
+//! and the response body are done, with the first failure of either as its outcome
+//! (`client_gone` when the client left before the guest answered).
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -94,6 +95,23 @@ impl Tally {
 impl Drop for Tally {
     fn drop(&mut self) {
         self.host.metrics.request(*self.outcome.lock());
+    }
+}
+
+/// Marks a request `client_gone` if dropped before [`ClientGone::answered`].
+struct ClientGone(Option<Arc<Tally>>);
+
+impl ClientGone {
+    fn answered(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for ClientGone {
+    fn drop(&mut self) {
+        if let Some(tally) = self.0.take() {
+            tally.fail("client_gone");
+        }
     }
 }
 
@@ -366,11 +384,15 @@ pub async fn invoke(
     // still has to do after answering (the body, waitUntil work) goes on in a task of its
     // own.
     let mut guest = Box::pin(guest);
+    // Dropped with the request (the client left before the guest answered, which cancels
+    // the guest): counted as `client_gone`, not as how far the guest had got.
+    let waiting = ClientGone(Some(tally.clone()));
     let (answer, guest_done) = tokio::select! {
         biased;
         answer = &mut rx => (answer, false),
         () = &mut guest => (rx.await, true),
     };
+    waiting.answered();
     let task = (!guest_done).then(|| tokio::spawn(guest));
 
     let response = match answer {

@@ -50,7 +50,7 @@ impl WorkerMetrics {
         };
         registry.register(
             "requests",
-            "Worker invocations by outcome: ok, exception (trap, uncaught error or no response), cpu_limit, wall_limit, memory_limit, request_too_large, response_too_large, overloaded",
+            "Worker invocations by outcome: ok, exception (trap, uncaught error or no response), cpu_limit, wall_limit, memory_limit, request_too_large, response_too_large, overloaded, client_gone (the client left before the worker answered)",
             m.requests.clone(),
         );
         registry.register(
