@@ -137,6 +137,14 @@ def test_an_uncaught_exception_is_500_1101_and_counted(worker):
     assert (status, body) == (200, b"ok")
 
 
+def test_an_answer_that_is_not_a_response_is_500_1101(worker):
+    status, body, _ = _request(worker["base"] + "/not-a-response")
+    assert status == 500, body
+    assert json.loads(body)["errors"][0]["code"] == 1101
+    status, body, _ = _request(worker["base"] + "/echo")
+    assert (status, body) == (200, b"ok")
+
+
 def test_host_name_routing(worker):
     host = f"e2e.{worker['account']}.workers.localhost"
     status, body, _ = _request(worker["server"]["base"] + "/echo", headers={"Host": host})

@@ -71,6 +71,8 @@ export default {
         });
       case "/throw":
         throw new Error("boom");
+      case "/not-a-response":
+        return { hello: "world" };
       default:
         return new Response("not found", { status: 404 });
     }

@@ -127,14 +127,17 @@ export function serve(worker) {
       passThroughOnException() {},
     };
     // One promise on top of the handler's own (SpiderMonkey records a stack for every
-    // promise it makes), none when the handler answers synchronously.
+    // promise it makes), none when the handler answers a Response synchronously.
+    // `Promise.resolve` hands back a native promise as it is and adopts any other thenable.
     try {
       const handler = worker && worker.fetch;
       if (typeof handler !== "function") {
         throw new TypeError("the worker's default export has no fetch(request, env, ctx) method");
       }
       const answer = handler.call(worker, event.request, env, ctx);
-      event.respondWith(answer instanceof Promise ? answer.then(checked, fail) : checked(answer));
+      event.respondWith(
+        answer instanceof Response ? answer : Promise.resolve(answer).then(checked, fail),
+      );
     } catch (e) {
       fail(e);
     }
