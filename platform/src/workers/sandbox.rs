@@ -49,6 +49,8 @@ pub struct GuestClock {
     since: Option<Instant>,
     used: Duration,
     pub limit: Duration,
+    /// `used` when the guest last yielded its thread at an epoch deadline.
+    used_at_yield: Duration,
 }
 
 impl GuestClock {
@@ -57,6 +59,7 @@ impl GuestClock {
             since: None,
             used: Duration::ZERO,
             limit,
+            used_at_yield: Duration::ZERO,
         }
     }
 
@@ -230,8 +233,10 @@ pub fn call_hook(
 }
 
 /// Runs at every epoch deadline while the guest executes: a trap once its execution time is
-/// over the limit, otherwise a yield to the executor (so a busy guest never holds a thread)
-/// and a new deadline at about when the limit would be reached.
+/// over the limit; otherwise a new deadline at about when the limit would be reached, with
+/// a yield to the executor first if the guest has executed for a tick or more since it last
+/// yielded (so a busy guest never holds a thread). A deadline that passed while the guest
+/// waited on the host (an `AI.run`, say) is no reason to yield: it was not running.
 pub fn epoch_deadline(
     mut store: StoreContextMut<'_, WorkerState>,
     tick: Duration,
@@ -243,5 +248,9 @@ pub fn epoch_deadline(
     }
     let left = state.clock.limit - used;
     let ticks = (left.as_nanos() / tick.as_nanos().max(1)).clamp(1, 10) as u64;
+    if used - state.clock.used_at_yield < tick {
+        return Ok(UpdateDeadline::Continue(ticks));
+    }
+    state.clock.used_at_yield = used;
     Ok(UpdateDeadline::Yield(ticks))
 }
