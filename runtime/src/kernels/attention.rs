@@ -151,7 +151,9 @@ fn head_values<const D: usize>(p: &[f32], values: &[&[f32]], voff: usize, out: &
     out.copy_from_slice(&acc);
 }
 
-/// The rows of positions `0..len` of the K (or V) pages.
+/// The rows of positions `0..len` of the K (or V) pages. Two small allocations per token and
+/// layer; walking the pages in place instead (a block of positions never crossing a page)
+/// measured 3-4% slower at 16 streams.
 fn rows_of<'a>(
     pages: impl Iterator<Item = &'a [f32]>,
     page_size: usize,
@@ -546,8 +548,8 @@ mod tests {
     }
 
     /// Scores several positions at a time and values a head at a time change no bit, for
-    /// both summation orders, head sizes with and without a register-held path, and every
-    /// length across pages (so every remainder of the blocks of 4 and 8).
+    /// both summation orders, head sizes with and without a register-held path, pages that
+    /// hold whole blocks of positions or not, and every length across pages.
     #[test]
     fn blocked_scores_and_values_are_bit_identical_to_one_by_one() {
         let mut seed = 11u32;
@@ -555,7 +557,7 @@ mod tests {
             seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
             (seed >> 8) as f32 / (1 << 24) as f32 - 0.5
         };
-        for heads in [
+        let shapes = [
             Heads {
                 n_head: 9,
                 n_kv_head: 3,
@@ -566,9 +568,10 @@ mod tests {
                 n_kv_head: 2,
                 head_dim: 12,
             },
-        ] {
+        ];
+        // Pages of 16 hold whole blocks of 4 and 8 positions; pages of 6 end mid-block.
+        for (heads, page_size) in shapes.into_iter().flat_map(|h| [(h, 16), (h, 6)]) {
             let (kv_dim, d) = (heads.kv_dim(), heads.n_head * heads.head_dim);
-            let page_size = 16;
             let total = 3 * page_size;
             let pk: Vec<f32> = (0..total * kv_dim).map(|_| rnd() * 3.0).collect();
             let pv: Vec<f32> = (0..total * kv_dim).map(|_| rnd()).collect();
@@ -599,7 +602,10 @@ mod tests {
                         .iter()
                         .zip(&want)
                         .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{heads:?} len {len} rows {rows}");
+                    assert!(
+                        same,
+                        "{heads:?} pages of {page_size}, len {len} rows {rows}"
+                    );
                 }
             }
         }

@@ -36,9 +36,11 @@ pub struct BlockQ4_1x8 {
     pub qs: [[u8; 32]; 4],
 }
 
-impl BlockQ4_1x8 {
+impl RowGroup for BlockQ4_1x8 {
+    type Row = BlockQ4_1;
+
     /// Row `c`'s block, as stored in GGUF order.
-    pub fn row(&self, c: usize) -> BlockQ4_1 {
+    fn row(&self, c: usize) -> BlockQ4_1 {
         let f = |bits: u16| f16::from_bits(bits).to_f32();
         BlockQ4_1 {
             d: f(self.d[c]),
@@ -48,36 +50,55 @@ impl BlockQ4_1x8 {
     }
 }
 
-/// Interleave rows of Q4_1 blocks (`rows % 8 == 0`, `kb` blocks per row) into groups of 8
-/// rows: group `g`, block `b` at `g * kb + b`.
-pub fn q4_1_interleave8(rows: &[BlockQ4_1], kb: usize) -> Vec<BlockQ4_1x8> {
+/// Eight weight rows' blocks at one position, one 32-bit lane per row (`BlockQ4_1x8`,
+/// `BlockQ8_0x8`).
+pub trait RowGroup: Sized {
+    /// The row-by-row block.
+    type Row;
+    /// Row `c`'s block (`c < 8`).
+    fn row(&self, c: usize) -> Self::Row;
+}
+
+/// Groups of 8 rows from rows of blocks (`rows % 8 == 0`, `kb` blocks per row): group `g`,
+/// block `b` at `g * kb + b`, made by `group` from the 8 rows' blocks at that position.
+fn interleave8<R, G>(rows: &[R], kb: usize, group: impl Fn([&R; 8]) -> G) -> Vec<G> {
     let n = rows.len() / kb;
     assert!(n.is_multiple_of(8));
-    let bits = |v: f32| f16::from_f32(v).to_bits();
     let mut out = Vec::with_capacity(rows.len() / 8);
     for g in 0..n / 8 {
         for b in 0..kb {
-            let blk = |c: usize| &rows[(g * 8 + c) * kb + b];
-            out.push(BlockQ4_1x8 {
-                d: std::array::from_fn(|c| bits(blk(c).d)),
-                m: std::array::from_fn(|c| bits(blk(c).m)),
-                qs: std::array::from_fn(|v| std::array::from_fn(|i| blk(i / 4).qs[4 * v + i % 4])),
-            });
+            out.push(group(std::array::from_fn(|c| &rows[(g * 8 + c) * kb + b])));
         }
     }
     out
 }
 
-/// The inverse of [`q4_1_interleave8`].
-pub fn q4_1_deinterleave8(groups: &[BlockQ4_1x8], kb: usize) -> Vec<BlockQ4_1> {
-    let ng = groups.len() / kb;
+/// The inverse of the interleaving: rows of blocks again.
+pub fn deinterleave8<G: RowGroup>(groups: &[G], kb: usize) -> Vec<G::Row> {
     let mut out = Vec::with_capacity(groups.len() * 8);
-    for g in 0..ng {
+    for g in groups.chunks_exact(kb) {
         for c in 0..8 {
-            out.extend(groups[g * kb..(g + 1) * kb].iter().map(|x| x.row(c)));
+            out.extend(g.iter().map(|x| x.row(c)));
         }
     }
     out
+}
+
+/// Row `r`'s blocks, out of the groups (`kb` blocks per row).
+pub fn group_row<G: RowGroup>(groups: &[G], kb: usize, r: usize) -> impl Iterator<Item = G::Row> {
+    groups[r / 8 * kb..(r / 8 + 1) * kb]
+        .iter()
+        .map(move |x| x.row(r % 8))
+}
+
+/// Interleave rows of Q4_1 blocks into groups of 8 rows (see [`interleave8`]).
+pub fn q4_1_interleave8(rows: &[BlockQ4_1], kb: usize) -> Vec<BlockQ4_1x8> {
+    let bits = |v: f32| f16::from_f32(v).to_bits();
+    interleave8(rows, kb, |blk| BlockQ4_1x8 {
+        d: blk.map(|b| bits(b.d)),
+        m: blk.map(|b| bits(b.m)),
+        qs: std::array::from_fn(|v| std::array::from_fn(|i| blk[i / 4].qs[4 * v + i % 4])),
+    })
 }
 
 /// A Q8_0 block: value `j` is `d * qs[j]`.
@@ -98,9 +119,10 @@ pub struct BlockQ8_0x8 {
     pub d: [f32; 8],
 }
 
-impl BlockQ8_0x8 {
-    /// Row `c`'s block.
-    pub fn row(&self, c: usize) -> BlockQ8_0 {
+impl RowGroup for BlockQ8_0x8 {
+    type Row = BlockQ8_0;
+
+    fn row(&self, c: usize) -> BlockQ8_0 {
         BlockQ8_0 {
             d: self.d[c],
             qs: std::array::from_fn(|j| self.qs[j / 4][4 * c + j % 4]),
@@ -108,34 +130,12 @@ impl BlockQ8_0x8 {
     }
 }
 
-/// Interleave rows of Q8_0 blocks (`rows % 8 == 0`, `kb` blocks per row) into groups of 8
-/// rows: group `g`, block `b` at `g * kb + b`.
+/// Interleave rows of Q8_0 blocks into groups of 8 rows (see [`interleave8`]).
 pub fn q8_0_interleave8(rows: &[BlockQ8_0], kb: usize) -> Vec<BlockQ8_0x8> {
-    let n = rows.len() / kb;
-    assert!(n.is_multiple_of(8));
-    let mut out = Vec::with_capacity(rows.len() / 8);
-    for g in 0..n / 8 {
-        for b in 0..kb {
-            let blk = |c: usize| &rows[(g * 8 + c) * kb + b];
-            out.push(BlockQ8_0x8 {
-                qs: std::array::from_fn(|v| std::array::from_fn(|i| blk(i / 4).qs[4 * v + i % 4])),
-                d: std::array::from_fn(|c| blk(c).d),
-            });
-        }
-    }
-    out
-}
-
-/// The inverse of [`q8_0_interleave8`].
-pub fn q8_0_deinterleave8(groups: &[BlockQ8_0x8], kb: usize) -> Vec<BlockQ8_0> {
-    let ng = groups.len() / kb;
-    let mut out = Vec::with_capacity(groups.len() * 8);
-    for g in 0..ng {
-        for c in 0..8 {
-            out.extend(groups[g * kb..(g + 1) * kb].iter().map(|x| x.row(c)));
-        }
-    }
-    out
+    interleave8(rows, kb, |blk| BlockQ8_0x8 {
+        qs: std::array::from_fn(|v| std::array::from_fn(|i| blk[i / 4].qs[4 * v + i % 4])),
+        d: blk.map(|b| b.d),
+    })
 }
 
 /// A quantized activation block: value `j` is about `d * qs[j]`; `s` is `d * sum(qs)` (as

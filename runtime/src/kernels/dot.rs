@@ -13,7 +13,7 @@
 //! Without AVX2 the scalar paths are used (the same per-lane order as the group tiles,
 //! candle's generic order for the rest).
 
-use super::blocks::{BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_0x8, BlockQ8_1, QK};
+use super::blocks::{BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_0x8, BlockQ8_1, QK, RowGroup};
 
 /// Integer dot product of a Q4_1 block's values with an activation block's values.
 #[inline(always)]

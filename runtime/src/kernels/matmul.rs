@@ -10,9 +10,9 @@
 use rayon::prelude::*;
 
 use super::blocks::{
-    BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_0x8, BlockQ8_1, QK, dequantize_q4_1,
-    dequantize_q8_0, q4_1_deinterleave8, q4_1_from_gguf, q4_1_interleave8, q8_0_deinterleave8,
-    q8_0_from_gguf, q8_0_interleave8, quantize_row_q8_0, quantize_row_q8_1,
+    BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_0x8, BlockQ8_1, QK, deinterleave8, dequantize_q4_1,
+    dequantize_q8_0, group_row, q4_1_from_gguf, q4_1_interleave8, q8_0_from_gguf, q8_0_interleave8,
+    quantize_row_q8_0, quantize_row_q8_1,
 };
 use super::dot;
 
@@ -134,7 +134,7 @@ impl QWeight {
     fn q4_1_row_blocks(&self) -> Option<Vec<BlockQ4_1>> {
         match &self.blocks {
             Blocks::Q4_1(b) => Some(b.clone()),
-            Blocks::Q4_1x8(g) => Some(q4_1_deinterleave8(g, self.k / QK)),
+            Blocks::Q4_1x8(g) => Some(deinterleave8(g, self.k / QK)),
             Blocks::Q8_0(_) | Blocks::Q8_0x8(_) => None,
         }
     }
@@ -143,7 +143,7 @@ impl QWeight {
     fn q8_0_row_blocks(&self) -> Option<Vec<BlockQ8_0>> {
         match &self.blocks {
             Blocks::Q8_0(b) => Some(b.clone()),
-            Blocks::Q8_0x8(g) => Some(q8_0_deinterleave8(g, self.k / QK)),
+            Blocks::Q8_0x8(g) => Some(deinterleave8(g, self.k / QK)),
             Blocks::Q4_1(_) | Blocks::Q4_1x8(_) => None,
         }
     }
@@ -207,22 +207,14 @@ impl QWeight {
         match &self.blocks {
             Blocks::Q4_1(b) => dequantize_q4_1(&b[r * kb..(r + 1) * kb], out),
             Blocks::Q4_1x8(g) => {
-                let (grp, c) = (r / 8, r % 8);
-                for (x, o) in g[grp * kb..(grp + 1) * kb]
-                    .iter()
-                    .zip(out.chunks_exact_mut(QK))
-                {
-                    dequantize_q4_1(&[x.row(c)], o);
+                for (x, o) in group_row(g, kb, r).zip(out.chunks_exact_mut(QK)) {
+                    dequantize_q4_1(&[x], o);
                 }
             }
             Blocks::Q8_0(b) => dequantize_q8_0(&b[r * kb..(r + 1) * kb], out),
             Blocks::Q8_0x8(g) => {
-                let (grp, c) = (r / 8, r % 8);
-                for (x, o) in g[grp * kb..(grp + 1) * kb]
-                    .iter()
-                    .zip(out.chunks_exact_mut(QK))
-                {
-                    dequantize_q8_0(&[x.row(c)], o);
+                for (x, o) in group_row(g, kb, r).zip(out.chunks_exact_mut(QK)) {
+                    dequantize_q8_0(&[x], o);
                 }
             }
         }
@@ -599,7 +591,7 @@ mod tests {
             .collect();
         let rows = q4_1_from_gguf(&q4_1_bytes(&vals, &sc));
         let groups = q4_1_interleave8(&rows, kb);
-        assert_eq!(q4_1_deinterleave8(&groups, kb), rows);
+        assert_eq!(deinterleave8(&groups, kb), rows);
         let x: Vec<f32> = (0..8 * kb * QK).map(|_| rng.f32() * 2.0 - 1.0).collect();
         let mut acts = vec![BlockQ8_1::ZERO; 8 * kb];
         for (a, x) in acts.chunks_mut(kb).zip(x.chunks(kb * QK)) {
@@ -664,7 +656,7 @@ mod tests {
         let rows = q8_0_from_gguf(&bytes);
         assert!(rows.iter().any(|b| b.qs.contains(&-128)));
         let groups = q8_0_interleave8(&rows, kb);
-        assert_eq!(q8_0_deinterleave8(&groups, kb), rows);
+        assert_eq!(deinterleave8(&groups, kb), rows);
         let x: Vec<f32> = (0..8 * kb * QK).map(|_| rng.f32() * 2.0 - 1.0).collect();
         let mut acts = vec![BlockQ8_1::ZERO; 8 * kb];
         for (a, x) in acts.chunks_mut(kb).zip(x.chunks(kb * QK)) {
