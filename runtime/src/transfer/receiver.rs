@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -61,6 +61,10 @@ impl Drop for KvGuard {
     }
 }
 
+/// How long a refusing receiver keeps reading (and dropping) what the sender still sends,
+/// so that the sender gets the refusal rather than a reset connection.
+const REFUSAL_DRAIN: Duration = Duration::from_secs(2);
+
 /// Where a failed transfer stopped: before `Accept` the answer is `Reject`, after it `Nack`.
 struct Failure {
     accepted: bool,
@@ -98,6 +102,15 @@ async fn handle(stream: TcpStream, node: Arc<Node>, cfg: TransferConfig) {
             metrics.transfer_failed(super::RECEIVE, &f.error);
             let kind = if f.accepted { Kind::Nack } else { Kind::Reject };
             let _ = wire::write_frame(&mut wr, kind, &ErrorFrame { error: f.error }, &[]).await;
+            // Closing with the sender's bytes unread would reset the connection, and a reset
+            // can destroy the refusal before the sender reads it: end our side, then read
+            // and drop what it still sends until it closes (bounded in time).
+            let _ = wr.shutdown().await;
+            let _ = tokio::time::timeout(
+                REFUSAL_DRAIN,
+                tokio::io::copy(&mut rd, &mut tokio::io::sink()),
+            )
+            .await;
             return;
         }
     };

@@ -206,11 +206,40 @@ async fn send_inner(
         Frame::Reject(e) => return Err(e),
         f => return Err(unexpected(&f)),
     }
-    // Batches bounded by bytes (at least one page each): TCP flow control makes a slow
-    // decode node slow us down. Full pages go to the socket straight from the pool, with
-    // non-blocking writes under the page's lock (never held across an await), so a page is
-    // read once for its checksum (leaving it in cache) and once by the kernel's copy; only a
-    // partial last page is copied out first.
+    match stream_pages(h, &mut wr, cfg, metrics).await {
+        Ok(()) => {}
+        // A decode node that refuses the transfer midway (a failed checksum, say) says why
+        // and closes; the write that found it closed is not the reason, its answer is.
+        Err(e @ RuntimeError::Transfer(TransferError::PeerClosed(_))) => {
+            return Err(refusal(&mut rd, cfg).await.unwrap_or(e));
+        }
+        Err(e) => return Err(e),
+    }
+    match wire::read_frame(&mut rd, cfg.max_frame_bytes).await? {
+        Frame::Ack => Ok(Accepted {
+            reader: rd,
+            _writer: wr,
+        }),
+        Frame::Nack(e) => Err(e),
+        f => Err(unexpected(&f)),
+    }
+}
+
+/// The pages, then the commit with the logits. Batches bounded by bytes (at least one page
+/// each): TCP flow control makes a slow decode node slow us down. Full pages go to the
+/// socket straight from the pool, with non-blocking writes under the page's lock (never held
+/// across an await), so a page is read once for its checksum (leaving it in cache) and once
+/// by the kernel's copy; only a partial last page is copied out first.
+async fn stream_pages(
+    h: &PrefillHandoff,
+    wr: &mut OwnedWriteHalf,
+    cfg: &TransferConfig,
+    metrics: &NodeMetrics,
+) -> Result<(), RuntimeError> {
+    let io = |e: std::io::Error| RuntimeError::from(TransferError::PeerClosed(e.to_string()));
+    let pool = h.pool();
+    let page_size = pool.page_size();
+    let tokens = h.prompt.len();
     let page_bytes = pool.wire_bytes(page_size);
     let per_batch = (cfg.batch_bytes / page_bytes).max(1);
     let mut partial = Vec::new();
@@ -240,12 +269,12 @@ async fn send_inner(
             request: h.owner.request,
             pages: headers,
         };
-        wire::write_head(&mut wr, Kind::Pages, &header, tail_len)
+        wire::write_head(wr, Kind::Pages, &header, tail_len)
             .await
             .map_err(io)?;
         for (p, page) in header.pages.iter().zip(&h.pages[first..last]) {
             if p.tokens as usize == page_size {
-                write_full_page(&wr, pool, &h.owner, *page, page_bytes).await?;
+                write_full_page(wr, pool, &h.owner, *page, page_bytes).await?;
             } else {
                 wr.write_all(&partial).await.map_err(io)?;
             }
@@ -264,16 +293,21 @@ async fn send_inner(
         bytes: sent,
         logits_checksum: wire::checksum(logits),
     };
-    wire::write_frame(&mut wr, Kind::Commit, &commit, logits)
+    wire::write_frame(wr, Kind::Commit, &commit, logits)
         .await
         .map_err(io)?;
-    match wire::read_frame(&mut rd, cfg.max_frame_bytes).await? {
-        Frame::Ack => Ok(Accepted {
-            reader: rd,
-            _writer: wr,
-        }),
-        Frame::Nack(e) => Err(e),
-        f => Err(unexpected(&f)),
+    Ok(())
+}
+
+/// How long a sender whose write found the connection closed waits for the peer's reason.
+const REFUSAL_WAIT: Duration = Duration::from_millis(500);
+
+/// The refusal a peer sent before closing, if one arrives within [`REFUSAL_WAIT`].
+async fn refusal(rd: &mut BufReader<OwnedReadHalf>, cfg: &TransferConfig) -> Option<RuntimeError> {
+    let frame = tokio::time::timeout(REFUSAL_WAIT, wire::read_frame(rd, cfg.max_frame_bytes));
+    match frame.await {
+        Ok(Ok(Frame::Nack(e) | Frame::Reject(e))) => Some(e),
+        _ => None,
     }
 }
 
