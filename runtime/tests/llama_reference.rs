@@ -294,3 +294,98 @@ fn a_forged_block_table_fails_only_that_sequence_in_a_shared_step() {
         pool.release(s);
     }
 }
+
+/// Sixteen sequences decoding in one step (the batch at which the matmuls switch to 16-row
+/// tiles: AMX where the CPU has it) get the logits each gets alone.
+#[test]
+fn sixteen_sequences_decoding_together_get_the_same_logits_as_alone() {
+    let (model, ct) =
+        LlamaModel::load(&common::smollm2_path(), WeightFormat::Native, &Device::Cpu).unwrap();
+    let tok = TextTokenizer::from_gguf(&ct).unwrap();
+    let pool = KvPool::with_capacity_tokens(model.cfg.kv_layout(), 16, 4096);
+    let prompts: Vec<Vec<u32>> = (0..16)
+        .map(|i| {
+            tok.encode(&format!("Tenant {i} asks: what is {i} plus {i}?"))
+                .unwrap()
+        })
+        .collect();
+    let step = |segs: &mut [StepSegment<'_>]| -> Vec<Vec<f32>> {
+        let out = model.forward_step(&pool, segs).unwrap();
+        out.into_iter().map(|r| r.unwrap().unwrap()).collect()
+    };
+    // Each sequence prefilled on its own, then one decode step alone and one together.
+    let mut seqs: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let owner = Owner {
+                tenant: format!("t{i}").into(),
+                request: i as u64,
+            };
+            let mut s = pool.open(owner, pool.try_reserve(p.len() + 2).unwrap());
+            let logits = step(&mut [StepSegment {
+                seq: &mut s,
+                tokens: p,
+                want_logits: true,
+            }]);
+            (s, [argmax(&logits[0])])
+        })
+        .collect();
+    let mut together_seqs: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let owner = Owner {
+                tenant: format!("u{i}").into(),
+                request: 100 + i as u64,
+            };
+            let mut s = pool.open(owner, pool.try_reserve(p.len() + 2).unwrap());
+            model
+                .forward_step(
+                    &pool,
+                    &mut [StepSegment {
+                        seq: &mut s,
+                        tokens: p,
+                        want_logits: false,
+                    }],
+                )
+                .unwrap();
+            s
+        })
+        .collect();
+    let alone: Vec<Vec<f32>> = seqs
+        .iter_mut()
+        .map(|(s, next)| {
+            step(&mut [StepSegment {
+                seq: s,
+                tokens: next.as_slice(),
+                want_logits: true,
+            }])
+            .remove(0)
+        })
+        .collect();
+    let nexts: Vec<[u32; 1]> = seqs.iter().map(|(_, n)| *n).collect();
+    let mut segs: Vec<StepSegment<'_>> = together_seqs
+        .iter_mut()
+        .zip(&nexts)
+        .map(|(s, n)| StepSegment {
+            seq: s,
+            tokens: n.as_slice(),
+            want_logits: true,
+        })
+        .collect();
+    let together = step(&mut segs);
+    drop(segs);
+    for (i, (t, a)) in together.iter().zip(&alone).enumerate() {
+        let d = max_abs_diff(t, a);
+        assert!(d < TOLERANCE, "sequence {i}: logits differ by {d}");
+        assert_eq!(argmax(t), argmax(a), "sequence {i}");
+    }
+    for (s, _) in &mut seqs {
+        pool.release(s);
+    }
+    for s in &mut together_seqs {
+        pool.release(s);
+    }
+    assert_eq!(pool.stats().pages_free, pool.stats().pages_total);
+}

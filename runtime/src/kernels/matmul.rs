@@ -51,8 +51,38 @@ impl TileBlock for BlockQ8_0 {
     }
 }
 
+/// The AMX kernels where this build has them (`amx_kernels`, from build.rs), else a trait
+/// every type has and an `enabled` that says no.
+#[cfg(amx_kernels)]
+mod amx_path {
+    pub use super::super::amx::AmxPair as MaybeAmx;
+    pub use super::super::amx::*;
+}
+#[cfg(not(amx_kernels))]
+mod amx_path {
+    pub trait MaybeAmx {}
+    impl<T> MaybeAmx for T {}
+    pub fn enabled() -> bool {
+        false
+    }
+}
+
+/// Which kernels the quantized matmuls of 16 activation rows or more use on this machine:
+/// "AMX" (Intel AMX tiles), "AVX-512", "AVX2" or "scalar", for logs and benchmarks.
+pub fn matmul_path() -> &'static str {
+    if amx_path::enabled() {
+        "AMX"
+    } else if cfg!(all(target_arch = "x86_64", target_feature = "avx512vl")) {
+        "AVX-512"
+    } else if cfg!(all(target_arch = "x86_64", target_feature = "avx2")) {
+        "AVX2"
+    } else {
+        "scalar"
+    }
+}
+
 /// A block type of 8 weight rows with a tile kernel.
-trait GroupBlock: Copy + Send + Sync {
+trait GroupBlock: Copy + Send + Sync + amx_path::MaybeAmx {
     fn tile<const R: usize>(a: &[&[BlockQ8_1]; R], g: &[Self], out: &mut [[f32; 8]; R]);
 }
 
@@ -231,6 +261,12 @@ impl QWeight {
 
     /// `y[t, n] = x[t, k] * W^T`. `y` is overwritten.
     pub fn matmul(&self, x: &[f32], t: usize, y: &mut [f32]) {
+        self.matmul_on(x, t, y, amx_path::enabled())
+    }
+
+    /// [`Self::matmul`], with the AMX tiles allowed or not (they are used only where the CPU
+    /// has them, for 16 activation rows or more).
+    fn matmul_on(&self, x: &[f32], t: usize, y: &mut [f32], amx: bool) {
         assert_eq!(x.len(), t * self.k, "x is not [{t}, {}]", self.k);
         assert_eq!(y.len(), t * self.n, "y is not [{t}, {}]", self.n);
         if t == 0 {
@@ -249,9 +285,9 @@ impl QWeight {
         }
         match &self.blocks {
             Blocks::Q4_1(b) => run(b, self.n, kb, &acts, t, y),
-            Blocks::Q4_1x8(g) => run_x8(g, self.n, kb, &acts, t, y),
+            Blocks::Q4_1x8(g) => run_x8(g, self.n, kb, &acts, t, y, amx),
             Blocks::Q8_0(b) => run(b, self.n, kb, &acts, t, y),
-            Blocks::Q8_0x8(g) => run_x8(g, self.n, kb, &acts, t, y),
+            Blocks::Q8_0x8(g) => run_x8(g, self.n, kb, &acts, t, y, amx),
         }
     }
 }
@@ -360,7 +396,8 @@ fn run<B: TileBlock>(w: &[B], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize,
 const WIDE_ROW_TILES: bool = cfg!(all(target_arch = "x86_64", target_feature = "avx512vl"));
 
 /// [`run`] for 8-row groups (`n % 8 == 0`): chunks of whole groups, tiles of 8, 4 or 1
-/// activation rows against one group (each weight block loaded once per tile).
+/// activation rows against one group (each weight block loaded once per tile). With `amx`
+/// (and a CPU that has it), whole slabs of 16 activation rows go to [`run_amx`] first.
 fn run_x8<G: GroupBlock>(
     g: &[G],
     n: usize,
@@ -368,7 +405,19 @@ fn run_x8<G: GroupBlock>(
     acts: &[BlockQ8_1],
     t: usize,
     y: &mut [f32],
+    amx: bool,
 ) {
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(amx_kernels)]
+    if amx && t >= amx_path::ROWS && n.is_multiple_of(2 * 8) && amx_path::enabled() {
+        done = t / amx_path::ROWS * amx_path::ROWS;
+        run_amx(g, n, kb, &acts[..done * kb], done, y);
+        if done == t {
+            return;
+        }
+    }
+    let _ = amx;
     let groups = n / 8;
     let threads = rayon::current_num_threads().max(1);
     let tasks = (threads * 8).min(groups.div_ceil(2)).max(1);
@@ -394,7 +443,7 @@ fn run_x8<G: GroupBlock>(
     let body = |task: usize| {
         let range = task * chunk..((task + 1) * chunk).min(groups);
         let arow = |r: usize| &acts[r * kb..(r + 1) * kb];
-        let mut r = 0;
+        let mut r = done;
         while r < t {
             let rows = match t - r {
                 8.. if WIDE_ROW_TILES => 8,
@@ -423,6 +472,54 @@ fn run_x8<G: GroupBlock>(
                 _ => tiles::<G, 1>(g, kb, range.clone(), [arow(r)], n, r, out),
             }
             r += rows;
+        }
+    };
+    if tasks == 1 {
+        body(0);
+    } else {
+        (0..tasks).into_par_iter().for_each(body);
+    }
+}
+
+/// Slabs of 16 activation rows (`t % 16 == 0`) against pairs of 8-row groups
+/// (`n % 16 == 0`) on AMX tiles: chunks of whole pairs across the pool, each task with its
+/// own tile configuration; a pair's weights are walked once per slab, from cache after the
+/// first.
+#[cfg(amx_kernels)]
+fn run_amx<G: GroupBlock>(
+    g: &[G],
+    n: usize,
+    kb: usize,
+    acts: &[BlockQ8_1],
+    t: usize,
+    y: &mut [f32],
+) {
+    use amx_path::ROWS;
+    let pairs = n / (2 * 8);
+    let threads = rayon::current_num_threads().max(1);
+    let tasks = (threads * 4).min(pairs).max(1);
+    let chunk = pairs.div_ceil(tasks);
+    let tasks = pairs.div_ceil(chunk);
+    let out = OutPtr(y.as_mut_ptr());
+    let body = |task: usize| {
+        let tiles = amx_path::Tiles::new().expect("the caller checked that AMX is enabled");
+        let mut w = Vec::with_capacity(kb);
+        for p in task * chunk..((task + 1) * chunk).min(pairs) {
+            let g0 = &g[2 * p * kb..(2 * p + 1) * kb];
+            let g1 = &g[(2 * p + 1) * kb..(2 * p + 2) * kb];
+            let next = (p + 1 < pairs).then(|| {
+                (
+                    &g[(2 * p + 2) * kb..(2 * p + 3) * kb],
+                    &g[(2 * p + 3) * kb..(2 * p + 4) * kb],
+                )
+            });
+            amx_path::weight_tiles(g0, g1, next, kb, &mut w);
+            for (s, a) in acts.chunks_exact(ROWS * kb).take(t / ROWS).enumerate() {
+                let mut o = [[0f32; ROWS]; ROWS];
+                amx_path::slab(&tiles, a, kb, &w, g0, g1, &mut o);
+                // SAFETY: rows of slab s (< t) and the pair's 16 columns, this task's own.
+                unsafe { out.write_tile(n, s * ROWS, p * ROWS, &o) };
+            }
         }
     };
     if tasks == 1 {
@@ -698,6 +795,56 @@ mod tests {
             dot::tile_q8_0x8_scalar(&a, &groups[grp * kb..(grp + 1) * kb], &mut o);
             for r in 0..8 {
                 assert_eq!(&y[r * 16 + grp * 8..r * 16 + grp * 8 + 8], &o[r], "row {r}");
+            }
+        }
+    }
+
+    /// Where the CPU has AMX: matmuls of 16 activation rows or more on its tiles give the
+    /// same bits as the AVX group tiles, for both formats (every int8 weight value, -128
+    /// included), with leftover rows (t % 16) on the AVX tiles and shapes of one block or
+    /// many. Elsewhere there is nothing to compare, and the test says so.
+    #[test]
+    fn amx_tiles_are_bit_identical_to_avx_tiles() {
+        if !amx_path::enabled() {
+            eprintln!("no AMX on this CPU (or BULKHEAD_CPU_AMX=off): AVX tiles only");
+            return;
+        }
+        let mut rng = Lcg(41);
+        for (t, n, kb) in [(16, 16, 1), (16, 32, 18), (37, 48, 5), (64, 960, 18)] {
+            let k = kb * QK;
+            let nb = n * kb;
+            let vals: Vec<u8> = (0..nb * 16).map(|_| rng.next() as u8).collect();
+            let scales: Vec<(f32, f32)> = (0..nb)
+                .map(|_| (rng.f32() * 0.1, rng.f32() * 0.5 - 0.25))
+                .collect();
+            let q4 = QWeight::from_gguf_q4_1(&q4_1_bytes(&vals, &scales), n, k);
+            let mut bytes = Vec::new();
+            for i in 0..nb {
+                bytes.extend_from_slice(&half::f16::from_f32(rng.f32() * 0.02).to_le_bytes());
+                bytes.extend((0..QK).map(|j| {
+                    if (i + j) % 7 == 0 {
+                        0x80
+                    } else {
+                        rng.next() as u8
+                    }
+                }));
+            }
+            let q8 = QWeight::from_gguf_q8_0(&bytes, n, k);
+            let x: Vec<f32> = (0..t * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
+            for w in [&q4, &q8] {
+                let (mut avx, mut amx) = (vec![f32::NAN; t * n], vec![f32::NAN; t * n]);
+                w.matmul_on(&x, t, &mut avx, false);
+                w.matmul_on(&x, t, &mut amx, true);
+                for (i, (a, b)) in avx.iter().zip(&amx).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{:?} t={t} n={n} kb={kb}: element {i} (row {}, column {}): {a} vs {b}",
+                        w.format(),
+                        i / n,
+                        i % n
+                    );
+                }
             }
         }
     }

@@ -3,6 +3,7 @@
 //!
 //! - `blocks`: the block formats (Q4_1 and Q8_0 weights with f32 scales, Q8_1 activations),
 //!   repacking from GGUF bytes, quantizing and dequantizing;
+//! - `amx`: Intel AMX tiles for matmuls of 16 activation rows or more, where the CPU has them;
 //! - `dot`: tile dot products, AVX2 (`_mm256_maddubs_epi16`, as ggml) with a scalar fallback;
 //! - `matmul`: `QWeight` and the parallel `y = x W^T` over rayon's pool.
 //! - `ops`: RMSNorm, rope, SiLU, residual adds on f32 rows;
@@ -10,10 +11,14 @@
 //!
 //! Everything `unsafe` in the crate lives here, each use with its `SAFETY:` reason.
 
+// Only where the build has AVX-512 (every CPU with AMX does; `amx_kernels` comes from
+// build.rs); whether the CPU has AMX is asked at run time (`amx::enabled`).
+#[cfg(amx_kernels)]
+pub mod amx;
 pub mod attention;
 pub mod blocks;
 pub mod dot;
 pub mod matmul;
 pub mod ops;
 
-pub use matmul::{QFormat, QWeight};
+pub use matmul::{QFormat, QWeight, matmul_path};
