@@ -19,16 +19,29 @@ cargo test --no-run --workspace --bench generation 2>/dev/null
 out=$(mktemp)
 for threads in 1 2; do
   for weights in q8_0 native; do
-    RAYON_NUM_THREADS=$threads CANDLE_NUM_THREADS=$threads BENCH_WEIGHTS=$weights \
-      bench 2>/dev/null | tail -1 >>"$out"
+    row=$(RAYON_NUM_THREADS=$threads CANDLE_NUM_THREADS=$threads BENCH_WEIGHTS=$weights \
+      bench 2>/dev/null | tail -1)
+    echo "$row" >>"$out"
+    # Where the matmuls ran on AMX tiles, the same run on the AVX-512 kernels beside it.
+    if [ "$weights" = native ] && [[ "$row" == *'"matmul":"AMX"'* ]]; then
+      BULKHEAD_CPU_AMX=off RAYON_NUM_THREADS=$threads CANDLE_NUM_THREADS=$threads \
+        BENCH_WEIGHTS=$weights bench 2>/dev/null | tail -1 >>"$out"
+    fi
   done
-  "$venv/bin/python" e2e/bench/llamacpp_generation.py "$model" "$threads" 2>/dev/null | tail -1 >>"$out"
+  # llama.cpp's AMX path can segfault (see llamacpp_generation.py); then measure it without.
+  if ! llama=$("$venv/bin/python" e2e/bench/llamacpp_generation.py "$model" "$threads" 2>/dev/null); then
+    llama=$("$venv/bin/python" e2e/bench/llamacpp_generation.py "$model" "$threads" --no-extra-bufts 2>/dev/null)
+  fi
+  echo "$llama" | tail -1 >>"$out"
 done
 python3 - "$out" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 cols = ["prefill_tok_s", "decode_1_tok_s", "decode_4_tok_s", "decode_16_tok_s"]
-print(f"{'engine':<10} {'weights':<14} {'threads':>7} " + " ".join(f"{c:>16}" for c in cols))
+print(f"{'engine':<10} {'weights':<18} {'matmul':<8} {'threads':>7} "
+      + " ".join(f"{c:>16}" for c in cols) + f" {'16/1':>6}")
 for r in rows:
-    print(f"{r['engine']:<10} {r['weights']:<14} {r['threads']:>7} " + " ".join(f"{r[c]:>16.1f}" for c in cols))
+    ratio = r["decode_16_tok_s"] / r["decode_1_tok_s"] if r["decode_1_tok_s"] else 0.0
+    print(f"{r['engine']:<10} {r['weights']:<18} {r.get('matmul', '-'):<8} {r['threads']:>7} "
+          + " ".join(f"{r[c]:>16.1f}" for c in cols) + f" {ratio:>5.1f}x")
 PY

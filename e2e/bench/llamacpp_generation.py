@@ -2,7 +2,11 @@
 runtime/benches/generation.rs: prompt processing of a 512-token prompt, and aggregate greedy
 decode at 1, 4 and 16 concurrent sequences in one batch. Prints one JSON line.
 
-usage: python llamacpp_generation.py MODEL.gguf THREADS
+usage: python llamacpp_generation.py MODEL.gguf THREADS [--no-extra-bufts]
+
+--no-extra-bufts loads the weights without llama.cpp's extra CPU buffer types (its AMX and
+repacked layouts): its AMX path segfaults in llama_decode on some Sapphire-Rapids-class
+machines (ggml-org/llama.cpp#20824), so generation.sh retries with it when the default dies.
 """
 import ctypes
 import json
@@ -19,9 +23,12 @@ FILLER = "The quick brown fox jumps over the lazy dog while the river runs to th
 
 def main():
     path, threads = sys.argv[1], int(sys.argv[2])
+    extra_bufts = "--no-extra-bufts" not in sys.argv[3:]
     L.llama_backend_init()
     L.llama_log_set(ctypes.cast(0, L.llama_log_callback), ctypes.c_void_p(0)) if hasattr(L, "llama_log_set") else None
-    model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+    mp = L.llama_model_default_params()
+    mp.use_extra_bufts = extra_bufts
+    model = L.llama_model_load_from_file(path.encode(), mp)
     vocab = L.llama_model_get_vocab(model)
     n_vocab = L.llama_vocab_n_tokens(vocab)
     cp = L.llama_context_default_params()
@@ -75,7 +82,8 @@ def main():
         argmax(len(prompt) - 1)
         prefill_best = max(prefill_best, len(prompt) / (time.perf_counter() - t0))
 
-    result = {"engine": "llama.cpp", "weights": "Q4_1 (native)", "threads": str(threads),
+    weights = "Q4_1 (native)" if extra_bufts else "Q4_1 (no x-bufts)"
+    result = {"engine": "llama.cpp", "weights": weights, "threads": str(threads),
               "prompt_tokens": PROMPT_TOKENS, "prefill_tok_s": prefill_best}
     short = ids[:32]
     for streams in (1, 4, 16):

@@ -4,7 +4,8 @@
 //! processing (512-token prompt), single-stream decode, and aggregate decode at 1, 4 and 16
 //! concurrent streams. Threads: set `RAYON_NUM_THREADS` and `CANDLE_NUM_THREADS` (the
 //! script `e2e/bench/generation.sh` runs this side by side with llama.cpp at 1 and 2 threads).
-//! `BENCH_WEIGHTS=native|q8_0` picks the weight format.
+//! `BENCH_WEIGHTS=native|q8_0` picks the weight format; `BULKHEAD_CPU_AMX=off` keeps the
+//! matmuls off AMX tiles where the CPU has them (the JSON's `matmul` says which ran).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -182,6 +183,7 @@ fn main() -> anyhow::Result<()> {
         serde_json::json!({
             "engine": "bulkhead",
             "weights": format!("{format:?}"),
+            "matmul": bulkhead_runtime::kernels::matmul_path(),
             "threads": threads,
             "prompt_tokens": real_prompt_tokens,
             "prefill_tok_s": prefill_best,
