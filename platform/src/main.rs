@@ -34,6 +34,10 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// What this machine offers a node, as JSON: the kernels its quantized matmuls use, the
+    /// device models run on, and the GPUs the CUDA driver reports (loaded at run time; none
+    /// without a driver) with their total and free memory.
+    Devices,
     /// Manage the local model cache.
     Models {
         #[command(subcommand)]
@@ -149,6 +153,7 @@ fn main() -> std::process::ExitCode {
             command: ModelsCommand::Fetch,
         } => fetch_all(&default_cache_dir()),
         Command::Check { config } => check(&config),
+        Command::Devices => devices(),
         Command::Node(args) => run_node(args),
         Command::Serve(args) => run_serve(args),
         Command::Worker {
@@ -162,6 +167,17 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+fn devices() -> anyhow::Result<()> {
+    use bulkhead_runtime::device;
+    let report = serde_json::json!({
+        "matmul_kernels": bulkhead_runtime::kernels::matmul_path(),
+        "models_device": device::name(&device::select()?),
+        "gpus": device::discover_gpus(),
+    });
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
 }
 
 fn load_config(path: Option<&PathBuf>) -> anyhow::Result<NodeConfig> {

@@ -126,3 +126,26 @@ fn a_node_with_a_too_small_pool_refuses_to_start() {
         "{err}"
     );
 }
+
+#[test]
+fn devices_reports_kernels_and_gpus_as_json() {
+    let out = bulkhead().arg("devices").output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let kernels = report["matmul_kernels"].as_str().unwrap();
+    assert!(
+        ["AMX", "AVX-512", "AVX2", "scalar"].contains(&kernels),
+        "{report}"
+    );
+    // The default build runs models on the CPU whatever GPUs exist; each GPU listed has
+    // no more free memory than it has.
+    assert_eq!(report["models_device"], "cpu", "{report}");
+    for g in report["gpus"].as_array().unwrap() {
+        assert!(g["free_bytes"].as_u64().unwrap() <= g["total_bytes"].as_u64().unwrap());
+        assert!(!g["name"].as_str().unwrap().is_empty(), "{g}");
+    }
+}

@@ -69,6 +69,15 @@ pub fn select() -> anyhow::Result<Device> {
     Ok(Device::Cpu)
 }
 
+/// A device as operators name it: `cpu`, `cuda:0`.
+pub fn name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

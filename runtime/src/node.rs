@@ -192,6 +192,11 @@ impl Node {
             tracing::info!(ordinal = g.ordinal, name = %g.name, free_mib = g.free_bytes >> 20, "GPU found");
         }
         let device = crate::device::select()?;
+        tracing::info!(
+            matmul = crate::kernels::matmul_path(),
+            device = %crate::device::name(&device),
+            "model kernels"
+        );
         let metrics = Arc::new(NodeMetrics::new());
         let models_dir = cfg.models_dir();
         let mut text = BTreeMap::new();
