@@ -6,17 +6,19 @@
 //! that takes the AVX tiles 32 `vpdpbusd` and as many broadcasts. Per block, the float
 //! epilogue that scales and adds those sums is the same sequence of operations, lane by lane,
 //! as the AVX group tiles' (`dot::tile_q4_1x8`, `dot::tile_q8_0x8`), only 16 lanes wide, so
-//! results are bit-identical to theirs. The epilogue of one block runs while the tile unit
-//! multiplies the next (two accumulator tiles, used in turn).
+//! results are bit-identical to theirs. Products run two blocks ahead of the epilogue (three
+//! sum tiles in turn), and the next pair's weight tiles are laid out a block at a time
+//! between them (a tile load waits for the stores before it to drain: a whole pair's tiles
+//! written at once stalled its first product).
 //!
 //! Rust has no stable AMX intrinsics, so the tile instructions are inline assembly; support
 //! is CPUID plus `arch_prctl(ARCH_REQ_XCOMP_PERM)`. `BULKHEAD_CPU_AMX=off` turns the path
 //! off (to compare, or to rule it out).
 //!
 //! Tile registers, configured per task with `ldtilecfg` and released after it:
-//! tmm0/tmm1 the 16 x 16 i32 sums, tmm2/tmm3 the 16 x 32 activation bytes, tmm4/tmm5 the
-//! 32 x 16 weight bytes in VNNI order (row `k / 4` holds, per weight row, values
-//! `k..k + 4`), the pairs used for even and odd blocks.
+//! tmm0-tmm2 the 16 x 16 i32 sums (block `b` in `b % 3`), tmm3/tmm4 the 16 x 32 activation
+//! bytes, tmm5/tmm6 the 32 x 16 weight bytes in VNNI order (row `k / 4` holds, per weight
+//! row, values `k..k + 4`), the operand pairs used for even and odd blocks.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -79,12 +81,12 @@ const CONFIG: TileConfig = {
     let mut colsb = [0u16; 16];
     let mut rows = [0u8; 16];
     let mut t = 0;
-    while t < 6 {
+    while t < 7 {
         (colsb[t], rows[t]) = match t {
             // Sums: 16 rows of 16 i32.
-            0 | 1 => (64, 16),
+            0..=2 => (64, 16),
             // Activations: 16 rows of one block's 32 bytes.
-            2 | 3 => (QK as u16, 16),
+            3 | 4 => (QK as u16, 16),
             // Weights: 32 / 4 rows of 16 x 4 bytes.
             _ => (64, (QK / 4) as u8),
         };
@@ -272,64 +274,73 @@ impl AmxPair for BlockQ8_0x8 {
     }
 }
 
-/// Starts block `b`'s tile product in accumulator tile `slot` (0 or 1): loads the weight tile
-/// from `w` and the 16 activation rows' block `b` from `a`, zeroes the sums and multiplies.
+/// Starts block `b`'s tile product: loads the weight tile from `w` and the 16 activation
+/// rows' block `b` from `a` (into tiles `3 + b % 2` and `5 + b % 2`), zeroes sum tile `b % 3`
+/// and multiplies. Three sum tiles let two products run ahead of the epilogue; the operand
+/// tiles can alternate, as a product reads them when it starts.
 ///
 /// # Safety
 /// The tiles are configured (`Tiles`); `a` holds 16 rows of `kb` blocks.
 #[inline(always)]
-unsafe fn start(slot: usize, a: &[BlockQ8_1], kb: usize, b: usize, w: &WeightTile) {
+unsafe fn start(a: &[BlockQ8_1], kb: usize, b: usize, w: &WeightTile) {
     debug_assert!(a.len() > (ROWS - 1) * kb + b);
     let stride = kb * size_of::<BlockQ8_1>();
     let act = a[b].qs.as_ptr();
     let (w, wstride) = (w.0.as_ptr(), 64usize);
+    macro_rules! product {
+        ($c:literal, $a:literal, $w:literal) => {
+            asm!(
+                concat!("tileloadd tmm", $w, ", [{w} + {ws}]"),
+                concat!("tileloadd tmm", $a, ", [{a} + {s}]"),
+                concat!("tilezero tmm", $c),
+                concat!("tdpbssd tmm", $c, ", tmm", $a, ", tmm", $w),
+                w = in(reg) w, ws = in(reg) wstride, a = in(reg) act, s = in(reg) stride,
+                options(nostack, readonly),
+            )
+        };
+    }
     // SAFETY: the caller configured the tiles; the activation tile reads 32 bytes at `act +
     // r * stride` for r < 16, the `qs` of a[r * kb + b] (in bounds by the caller's
     // contract); the weight tile reads 8 rows of 64 bytes of `w`.
     unsafe {
-        if slot == 0 {
-            asm!(
-                "tileloadd tmm4, [{w} + {ws}]",
-                "tileloadd tmm2, [{a} + {s}]",
-                "tilezero tmm0",
-                "tdpbssd tmm0, tmm2, tmm4",
-                w = in(reg) w, ws = in(reg) wstride, a = in(reg) act, s = in(reg) stride,
-                options(nostack, readonly),
-            );
-        } else {
-            asm!(
-                "tileloadd tmm5, [{w} + {ws}]",
-                "tileloadd tmm3, [{a} + {s}]",
-                "tilezero tmm1",
-                "tdpbssd tmm1, tmm3, tmm5",
-                w = in(reg) w, ws = in(reg) wstride, a = in(reg) act, s = in(reg) stride,
-                options(nostack, readonly),
-            );
+        match b % 6 {
+            0 => product!("0", "3", "5"),
+            1 => product!("1", "4", "6"),
+            2 => product!("2", "3", "5"),
+            3 => product!("0", "4", "6"),
+            4 => product!("1", "3", "5"),
+            _ => product!("2", "4", "6"),
         }
     }
 }
 
-/// Stores accumulator tile `slot`'s 16 x 16 sums.
+/// Stores block `b`'s 16 x 16 sums (sum tile `b % 3`).
 ///
 /// # Safety
-/// The tiles are configured (`Tiles`) and `start(slot, ..)` ran.
+/// The tiles are configured (`Tiles`) and `start(.., b, ..)` ran.
 #[inline(always)]
-unsafe fn store(slot: usize, sums: &mut Sums) {
+unsafe fn store(b: usize, sums: &mut Sums) {
     let (p, stride) = (sums.0.as_mut_ptr(), 64usize);
     // SAFETY: the tile is 16 rows of 64 bytes, written to the 1 KiB `sums`.
     unsafe {
-        if slot == 0 {
-            asm!("tilestored [{p} + {s}], tmm0", p = in(reg) p, s = in(reg) stride, options(nostack));
-        } else {
-            asm!("tilestored [{p} + {s}], tmm1", p = in(reg) p, s = in(reg) stride, options(nostack));
+        match b % 3 {
+            0 => {
+                asm!("tilestored [{p} + {s}], tmm0", p = in(reg) p, s = in(reg) stride, options(nostack))
+            }
+            1 => {
+                asm!("tilestored [{p} + {s}], tmm1", p = in(reg) p, s = in(reg) stride, options(nostack))
+            }
+            _ => {
+                asm!("tilestored [{p} + {s}], tmm2", p = in(reg) p, s = in(reg) stride, options(nostack))
+            }
         }
     }
 }
 
 /// The weight tiles of a pair of 8-row groups (`g0` rows 0..8, `g1` rows 8..16), one per
-/// block position, into `out` (resized to `kb`): made once per pair, used by every slab of
-/// activation rows (and read long after they were written, not straight out of the store
-/// buffer).
+/// block position, into `out` (resized to `kb`), all at once: for a task's first pair (the
+/// others are laid out during the pair before, see [`NextPair`]); used by every slab of
+/// activation rows.
 ///
 /// `next` is the pair after this one, when there is one: its blocks are prefetched as
 /// these are laid out, so the weights' trip from memory (a 16-stream decode step reads every
@@ -366,22 +377,43 @@ fn prefetch<T>(x: &T) {
     }
 }
 
+/// The pair whose weight tiles a [`slab`] lays out as it goes, block by block (a tile load
+/// waits for the stores before it to drain, so tiles made all at once before a pair's first
+/// product stalled it; spread over the previous pair's blocks, each block's few stores drain
+/// during its epilogue), and the pair after it, prefetched at the same pace.
+pub struct NextPair<'a, G> {
+    pub g0: &'a [G],
+    pub g1: &'a [G],
+    pub after: Option<(&'a [G], &'a [G])>,
+    pub tiles: &'a mut [WeightTile],
+}
+
+/// A pair of 8-row groups (`g0` rows 0..8, `g1` rows 8..16) and its weight tiles.
+pub struct Pair<'a, G> {
+    pub g0: &'a [G],
+    pub g1: &'a [G],
+    pub tiles: &'a [WeightTile],
+}
+
 /// `out[r][c]` = the dot product of activation row `r` (row `r` of `a`, `kb` blocks a row)
-/// with weight row `c` of the group pair (`g0` rows 0..8, `g1` rows 8..16; `w` their weight
-/// tiles from [`weight_tiles`]), every term in the AVX group tile's order.
+/// with weight row `c` of `pair`, every term in the AVX group tile's order; meanwhile
+/// `next`'s tiles are laid out.
 #[inline]
 pub fn slab<G: AmxPair>(
     tiles: &Tiles,
     a: &[BlockQ8_1],
     kb: usize,
-    w: &[WeightTile],
-    g0: &[G],
-    g1: &[G],
+    pair: Pair<'_, G>,
+    next: Option<NextPair<'_, G>>,
     out: &mut [[f32; ROWS]; ROWS],
 ) {
-    assert!(kb > 0 && a.len() >= ROWS * kb && w.len() >= kb && g0.len() >= kb && g1.len() >= kb);
+    assert!(kb > 0 && a.len() >= ROWS * kb);
+    assert!(pair.g0.len() >= kb && pair.g1.len() >= kb && pair.tiles.len() >= kb);
+    if let Some(n) = &next {
+        assert!(n.g0.len() >= kb && n.g1.len() >= kb && n.tiles.len() >= kb);
+    }
     // SAFETY: this module is compiled only for targets with these features (its cfg).
-    unsafe { slab_avx512(tiles, a, kb, w, g0, g1, out) }
+    unsafe { slab_avx512(tiles, a, kb, pair, next, out) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,f16c,fma")]
@@ -389,28 +421,40 @@ fn slab_avx512<G: AmxPair>(
     _tiles: &Tiles,
     a: &[BlockQ8_1],
     kb: usize,
-    w: &[WeightTile],
-    g0: &[G],
-    g1: &[G],
+    Pair { g0, g1, tiles: w }: Pair<'_, G>,
+    mut next: Option<NextPair<'_, G>>,
     out: &mut [[f32; ROWS]; ROWS],
 ) {
-    let mut sums = [Sums([0; ROWS * ROWS]), Sums([0; ROWS * ROWS])];
+    let mut sums = Sums([0; ROWS * ROWS]);
     let mut acc = [_mm512_setzero_ps(); ROWS];
     // SAFETY (both blocks below): `_tiles` proves the tiles are configured on this thread
     // (and that AMX is usable); `a` holds 16 rows of `kb` blocks (the caller asserted).
-    unsafe { start(0, a, kb, 0, &w[0]) };
+    unsafe {
+        start(a, kb, 0, &w[0]);
+        if kb > 1 {
+            start(a, kb, 1, &w[1]);
+        }
+    }
     for b in 0..kb {
-        let slot = b % 2;
-        // SAFETY: as above; block b's product was started in `slot`. Block b + 1's starts
-        // in the other slot before block b's epilogue, so they overlap.
+        // SAFETY: as above; block b's product was started. Block b + 2's starts before
+        // block b's epilogue, so products run two ahead of it.
         unsafe {
-            store(slot, &mut sums[slot]);
-            if b + 1 < kb {
-                start(1 - slot, a, kb, b + 1, &w[b + 1]);
+            store(b, &mut sums);
+            if b + 2 < kb {
+                start(a, kb, b + 2, &w[b + 2]);
             }
         }
+        if let Some(n) = &mut next {
+            if let Some((a0, a1)) = n.after {
+                for x in [a0.get(b), a1.get(b)].into_iter().flatten() {
+                    prefetch(x);
+                }
+            }
+            // SAFETY: AVX-512F and BW are enabled for this function.
+            unsafe { G::weight_tile(&n.g0[b], &n.g1[b], &mut n.tiles[b]) };
+        }
         // SAFETY: AVX-512F, DQ, F16C and FMA are enabled for this function.
-        unsafe { G::epilogue(&g0[b], &g1[b], a, kb, b, &sums[slot], &mut acc) };
+        unsafe { G::epilogue(&g0[b], &g1[b], a, kb, b, &sums, &mut acc) };
     }
     for (o, acc) in out.iter_mut().zip(acc) {
         // SAFETY: `o` is 16 writable f32; the store is unaligned.

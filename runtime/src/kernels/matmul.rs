@@ -503,23 +503,45 @@ fn run_amx<G: GroupBlock>(
     let out = OutPtr(y.as_mut_ptr());
     let body = |task: usize| {
         let tiles = amx_path::Tiles::new().expect("the caller checked that AMX is enabled");
-        let mut w = Vec::with_capacity(kb);
-        for p in task * chunk..((task + 1) * chunk).min(pairs) {
-            let g0 = &g[2 * p * kb..(2 * p + 1) * kb];
-            let g1 = &g[(2 * p + 1) * kb..(2 * p + 2) * kb];
-            let next = (p + 1 < pairs).then(|| {
-                (
-                    &g[(2 * p + 2) * kb..(2 * p + 3) * kb],
-                    &g[(2 * p + 3) * kb..(2 * p + 4) * kb],
-                )
-            });
-            amx_path::weight_tiles(g0, g1, next, kb, &mut w);
-            for (s, a) in acts.chunks_exact(ROWS * kb).take(t / ROWS).enumerate() {
+        let pair = |p: usize| {
+            (
+                &g[2 * p * kb..(2 * p + 1) * kb],
+                &g[(2 * p + 1) * kb..(2 * p + 2) * kb],
+            )
+        };
+        let range = task * chunk..((task + 1) * chunk).min(pairs);
+        let slabs = t / ROWS;
+        // The first pair's weight tiles up front; each next pair's during the last slab of
+        // the one before (`amx::NextPair`).
+        let (mut cur, mut next) = (Vec::with_capacity(kb), vec![amx_path::WeightTile::ZERO; kb]);
+        if !range.is_empty() {
+            let (g0, g1) = pair(range.start);
+            let after = (range.start + 1 < pairs).then(|| pair(range.start + 1));
+            amx_path::weight_tiles(g0, g1, after, kb, &mut cur);
+        }
+        for p in range.clone() {
+            let (g0, g1) = pair(p);
+            for (s, a) in acts.chunks_exact(ROWS * kb).take(slabs).enumerate() {
+                let prep = (s + 1 == slabs && p + 1 < range.end).then(|| {
+                    let (n0, n1) = pair(p + 1);
+                    amx_path::NextPair {
+                        g0: n0,
+                        g1: n1,
+                        after: (p + 2 < pairs).then(|| pair(p + 2)),
+                        tiles: &mut next,
+                    }
+                });
                 let mut o = [[0f32; ROWS]; ROWS];
-                amx_path::slab(&tiles, a, kb, &w, g0, g1, &mut o);
-                // SAFETY: rows of slab s (< t) and the pair's 16 columns, this task's own.
+                let this = amx_path::Pair {
+                    g0,
+                    g1,
+                    tiles: &cur,
+                };
+                amx_path::slab(&tiles, a, kb, this, prep, &mut o);
+                // SAFETY: rows of slab s (< t) and pair p's 16 columns, this task's own.
                 unsafe { out.write_tile(n, s * ROWS, p * ROWS, &o) };
             }
+            std::mem::swap(&mut cur, &mut next);
         }
     };
     if tasks == 1 {
@@ -802,7 +824,8 @@ mod tests {
     /// Where the CPU has AMX: matmuls of 16 activation rows or more on its tiles give the
     /// same bits as the AVX group tiles, for both formats (every int8 weight value, -128
     /// included), with leftover rows (t % 16) on the AVX tiles and shapes of one block or
-    /// many. Elsewhere there is nothing to compare, and the test says so.
+    /// many, one slab or several per pair, one pair or many per task (each pair's tiles laid
+    /// out during the one before). Elsewhere there is nothing to compare, and the test says so.
     #[test]
     fn amx_tiles_are_bit_identical_to_avx_tiles() {
         if !amx_path::enabled() {
@@ -810,7 +833,13 @@ mod tests {
             return;
         }
         let mut rng = Lcg(41);
-        for (t, n, kb) in [(16, 16, 1), (16, 32, 18), (37, 48, 5), (64, 960, 18)] {
+        for (t, n, kb) in [
+            (16, 16, 1),
+            (16, 32, 18),
+            (37, 48, 5),
+            (16, 512, 7),
+            (64, 960, 18),
+        ] {
             let k = kb * QK;
             let nb = n * kb;
             let vals: Vec<u8> = (0..nb * 16).map(|_| rng.next() as u8).collect();
