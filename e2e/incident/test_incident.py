@@ -182,7 +182,10 @@ def test_incident_mix_of_oversized_and_canary_prompts(cluster):
     canaries = {}
 
     def canary_body(canary):
-        return {"prompt": f"Code: {canary}\nCode: {canary}\nCode: {canary}\nCode:",
+        # Six lines of the code before the open one: with three, a code the model copied
+        # alone could lose to another continuation in the storm, where the prefill node
+        # chunks prompts differently (other attention sum orders move logits a little).
+        return {"prompt": "".join(f"Code: {canary}\n" for _ in range(6)) + "Code:",
                 "raw": True, "max_tokens": 8, "temperature": 0}
 
     for i, t in enumerate(tenants):
