@@ -3,7 +3,7 @@
 //!
 //! Where the CPU has AMX-INT8 (Sapphire Rapids and later) and Linux grants the process the
 //! tile registers, one `tdpbssd` computes a block's 16 x 16 exact integer dot products, work
-//! that takes the AVX tiles 32 `vpdpbusd` and as many broadcasts. Per block, the float
+//! that takes the AVX-512 VNNI tiles 256 `vpdpbusd` on 8 lanes and as many broadcasts. Per block, the float
 //! epilogue that scales and adds those sums is the same sequence of operations, lane by lane,
 //! as the AVX group tiles' (`dot::tile_q4_1x8`, `dot::tile_q8_0x8`), only 16 lanes wide, so
 //! results are bit-identical to theirs. Products run two blocks ahead of the epilogue (three
@@ -285,7 +285,11 @@ impl AmxPair for BlockQ8_0x8 {
 unsafe fn start(a: &[BlockQ8_1], kb: usize, b: usize, w: &WeightTile) {
     debug_assert!(a.len() > (ROWS - 1) * kb + b);
     let stride = kb * size_of::<BlockQ8_1>();
-    let act = a[b].qs.as_ptr();
+    // From the whole slice, whose rows the tile load reads (not from block b's `qs` alone).
+    let act = a[b..]
+        .as_ptr()
+        .cast::<u8>()
+        .wrapping_add(std::mem::offset_of!(BlockQ8_1, qs));
     let (w, wstride) = (w.0.as_ptr(), 64usize);
     macro_rules! product {
         ($c:literal, $a:literal, $w:literal) => {
