@@ -80,6 +80,34 @@ pub fn name(device: &Device) -> String {
 
 #[cfg(test)]
 mod tests {
+    /// With the `cuda` feature on a machine with a GPU: candle's CUDA backend (cuBLAS for the
+    /// matmul, candle's own kernels for the rest) gives what the CPU gives, through the ops
+    /// the BERT encoder uses. Without a GPU there is nothing to compare, and the test says so.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_cuda_device_computes_what_the_cpu_does() {
+        use candle_core::{Device, Tensor};
+        let gpu = super::select().unwrap();
+        if gpu.is_cpu() {
+            eprintln!("built with cuda but no CUDA device here: nothing to compare");
+            return;
+        }
+        let a = Tensor::randn(0f32, 1.0, (64, 384), &Device::Cpu).unwrap();
+        let b = Tensor::randn(0f32, 1.0, (384, 96), &Device::Cpu).unwrap();
+        let on = |d: &Device| -> Vec<f32> {
+            let (a, b) = (a.to_device(d).unwrap(), b.to_device(d).unwrap());
+            let y = candle_nn::ops::softmax_last_dim(&a.matmul(&b).unwrap().gelu().unwrap());
+            y.unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let (cpu, cuda) = (on(&Device::Cpu), on(&gpu));
+        let diff = cpu
+            .iter()
+            .zip(&cuda)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(diff < 1e-3, "CUDA and CPU differ by {diff}");
+    }
+
     #[test]
     fn discovery_never_fails_without_a_gpu() {
         // On a machine without CUDA this is empty; with one it lists real devices. Either
