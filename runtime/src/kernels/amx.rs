@@ -359,15 +359,28 @@ pub fn weight_tiles<G: AmxPair>(
 ) {
     assert!(g0.len() >= kb && g1.len() >= kb);
     out.resize(kb, WeightTile::ZERO);
-    for (b, ((w, x0), x1)) in out.iter_mut().zip(g0).zip(g1).enumerate() {
-        if let Some((n0, n1)) = next {
-            for x in [n0.get(b), n1.get(b)].into_iter().flatten() {
-                prefetch(x);
-            }
-        }
-        // SAFETY: this module is compiled only for targets with AVX-512 F and BW (its cfg).
-        unsafe { G::weight_tile(x0, x1, w) };
+    for (b, w) in out.iter_mut().enumerate() {
+        lay_out_block(g0, g1, next, b, w);
     }
+}
+
+/// Block `b`'s weight tile of the pair (`g0`, `g1`), with block `b` of the pair `after` it
+/// prefetched.
+#[inline(always)]
+fn lay_out_block<G: AmxPair>(
+    g0: &[G],
+    g1: &[G],
+    after: Option<(&[G], &[G])>,
+    b: usize,
+    out: &mut WeightTile,
+) {
+    if let Some((a0, a1)) = after {
+        for x in [a0.get(b), a1.get(b)].into_iter().flatten() {
+            prefetch(x);
+        }
+    }
+    // SAFETY: this module is compiled only for targets with AVX-512 F and BW (its cfg).
+    unsafe { G::weight_tile(&g0[b], &g1[b], out) };
 }
 
 /// Asks for every cache line of `x` (a hint: it reads nothing and cannot fault).
@@ -449,13 +462,7 @@ fn slab_avx512<G: AmxPair>(
             }
         }
         if let Some(n) = &mut next {
-            if let Some((a0, a1)) = n.after {
-                for x in [a0.get(b), a1.get(b)].into_iter().flatten() {
-                    prefetch(x);
-                }
-            }
-            // SAFETY: AVX-512F and BW are enabled for this function.
-            unsafe { G::weight_tile(&n.g0[b], &n.g1[b], &mut n.tiles[b]) };
+            lay_out_block(n.g0, n.g1, n.after, b, &mut n.tiles[b]);
         }
         // SAFETY: AVX-512F, DQ, F16C and FMA are enabled for this function.
         unsafe { G::epilogue(&g0[b], &g1[b], a, kb, b, &sums, &mut acc) };

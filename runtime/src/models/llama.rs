@@ -138,11 +138,11 @@ impl LlamaConfig {
     }
 }
 
-/// A GGUF matrix as a repacked kernel weight in the chosen format.
 /// From this many token rows a step's SiLU runs across the pool (below, a parallel loop
 /// costs more than it saves).
 const SILU_PARALLEL_ROWS: usize = 4;
 
+/// A GGUF matrix as a repacked kernel weight in the chosen format.
 fn qweight(t: &QTensor, format: WeightFormat) -> Result<QWeight, RuntimeError> {
     let (n, k) = t.shape().dims2()?;
     let as_q8_0 = |t: &QTensor| -> Result<QWeight, RuntimeError> {
