@@ -104,7 +104,7 @@ fn pct(v: &[Duration], p: f64) -> f64 {
 
 async fn setup(name: &str, cfg: ServeConfig) -> (Arc<Target>, Arc<Target>) {
     let (state, _) = bulkhead_platform::serve::build(&cfg).await.expect("server");
-    let node = state.node.clone();
+    let node = state.inference.node.clone();
     let cp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let cp_addr = cp.local_addr().unwrap();
     tokio::spawn(bulkhead_platform::serve::run(

@@ -1,39 +1,20 @@
-//! The control plane's shared state and its HTTP router.
-
-use std::sync::Arc;
+//! The control plane's HTTP router: every route, the fallbacks that answer unknown routes
+//! and methods in the surface's error shape, and the layers every request passes (request
+//! id, tracing, a panic guard that answers 500 in JSON).
 
 use axum::Router;
+use axum::extract::Request;
+use axum::http::{HeaderValue, Method, header};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{any, delete, get, patch, post, put};
-use bulkhead_runtime::node::Node;
+use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
-use crate::catalog::Catalog;
-use crate::limits::RateLimiter;
+use crate::envelope::{ApiError, OpenAiError};
 use crate::routes::{admin, openai, workers, workers_ai};
-use crate::store::Store;
 
-/// Largest request body a tenant may send.
-pub const MAX_BODY_BYTES: usize = 1 << 20;
-
-pub struct AppState {
-    pub store: Store,
-    pub catalog: Arc<Catalog>,
-    /// The embedded inference node (the single-machine default).
-    pub node: Arc<Node>,
-    pub limits: RateLimiter,
-    pub safety_factor: f64,
-    /// Shared rate limits and catalog fan-out, when Redis is configured.
-    pub redis: Option<crate::redis_bus::RedisBus>,
-    /// Remote nodes, kept by their heartbeats (shared across replicas through Redis).
-    pub nodes: Arc<crate::nodes::Registry>,
-    /// Usage counted in memory, written to the store in batches.
-    pub usage: Arc<crate::usage_meter::UsageMeter>,
-    /// Tenants' workers (wasmtime).
-    pub workers: Arc<crate::workers::WorkerHost>,
-}
-
-pub type SharedState = Arc<AppState>;
+pub use crate::state::{AppState, SharedState};
 
 pub fn router(state: SharedState) -> Router {
     let account = "/client/v4/accounts/{account_id}/ai";
@@ -100,6 +81,12 @@ pub fn router(state: SharedState) -> Router {
         .with_state(state.clone())
         // The admin UI, same origin as the admin API it calls.
         .merge(crate::web::router())
+        // Unknown routes and methods answer in the shape of the surface the path belongs to.
+        .fallback(|method: Method, req: Request| async move { no_route(&method, req.uri().path()) })
+        .method_not_allowed_fallback(|method: Method, req: Request| async move {
+            let path = req.uri().path();
+            shaped(path, ApiError::method_not_allowed(&method, path))
+        })
         // `Host: {name}.{account_id}.workers.localhost` goes to that worker, any path.
         .layer(axum::middleware::from_fn_with_state(
             state,
@@ -117,12 +104,42 @@ pub fn router(state: SharedState) -> Router {
             tracing::info_span!("request", id = %id, method = %req.method(), path = %req.uri().path())
         }))
         .layer(SetRequestIdLayer::new(REQUEST_ID.clone(), MakeRequestUuid))
+        // A panic in a handler is a 500 in JSON, not a dropped connection.
+        .layer(CatchPanicLayer::custom(panic_response))
+}
+
+/// Whether `path` is on the OpenAI surface (its errors are OpenAI-shaped).
+fn is_openai(path: &str) -> bool {
+    path.starts_with("/v1/")
+        || (path.starts_with("/client/v4/accounts/") && path.contains("/ai/v1/"))
+}
+
+/// `e` in the error shape of the surface `path` belongs to.
+fn shaped(path: &str, e: ApiError) -> Response {
+    if is_openai(path) {
+        OpenAiError(e).into_response()
+    } else {
+        e.into_response()
+    }
+}
+
+fn no_route(method: &Method, path: &str) -> Response {
+    shaped(path, ApiError::no_route(method, path))
+}
+
+fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    let mut resp = ApiError::internal("a request handler panicked").into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
 }
 
 static REQUEST_ID: axum::http::HeaderName = axum::http::HeaderName::from_static("x-request-id");
 
 async fn metrics(axum::extract::State(state): axum::extract::State<SharedState>) -> String {
-    let node = state.node.metrics.encode();
+    let node = state.inference.node.metrics.encode();
     let node = node.strip_suffix("# EOF\n").unwrap_or(&node);
     format!("{node}{}# EOF\n", state.workers.metrics.encode())
 }

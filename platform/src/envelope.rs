@@ -24,6 +24,8 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: u32,
     pub message: String,
+    /// The request field at fault, when there is one (OpenAI's `param`).
+    pub param: Option<String>,
     /// Extra response headers (retry-after, x-ratelimit-*). A Vec keeps the error small.
     pub headers: Vec<(header::HeaderName, HeaderValue)>,
     /// The runtime's stable string code, for usage metering and OpenAI-shaped errors.
@@ -41,9 +43,17 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            param: None,
             headers: Vec::new(),
             kind,
         }
+    }
+
+    /// 400/5006 for one request field, named in the message and as the error's `param`.
+    pub fn bad_field(field: &str, message: impl std::fmt::Display) -> Self {
+        let mut e = Self::bad_input(format!("{field}: {message}"));
+        e.param = Some(field.to_string());
+        e
     }
 
     pub fn with_header(mut self, name: header::HeaderName, value: impl Into<HeaderValue>) -> Self {
@@ -95,6 +105,26 @@ impl ApiError {
 
     pub fn not_found(message: impl Into<String>) -> Self {
         Self::new(StatusCode::NOT_FOUND, 7003, "not_found", message)
+    }
+
+    /// An unknown route (Cloudflare's 7000).
+    pub fn no_route(method: &axum::http::Method, path: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            7000,
+            "no_route",
+            format!("No route for {method} {path}"),
+        )
+    }
+
+    /// A known route asked with a method it does not serve (Cloudflare's 7001).
+    pub fn method_not_allowed(method: &axum::http::Method, path: &str) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            7001,
+            "method_not_allowed",
+            format!("Method {method} is not allowed on {path}"),
+        )
     }
 
     pub fn conflict(message: impl Into<String>) -> Self {
@@ -173,6 +203,51 @@ impl From<crate::store::StoreError> for ApiError {
     }
 }
 
+/// `{result, success, errors, messages}` around every Cloudflare-style answer.
+#[derive(utoipa::ToSchema)]
+pub struct Envelope<T> {
+    pub result: T,
+    pub success: bool,
+    pub errors: Vec<ErrorItem>,
+    pub messages: Vec<String>,
+}
+
+/// An error entry: a Workers-AI numeric code and a message.
+#[derive(utoipa::ToSchema)]
+pub struct ErrorItem {
+    pub code: u32,
+    pub message: String,
+}
+
+/// The error envelope: `success: false`, `result: {}`, one error.
+#[derive(utoipa::ToSchema)]
+pub struct ErrorEnvelope {
+    #[schema(value_type = Object)]
+    pub result: (),
+    pub success: bool,
+    pub errors: Vec<ErrorItem>,
+    pub messages: Vec<String>,
+}
+
+/// An OpenAI-shaped error: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(utoipa::ToSchema)]
+pub struct OpenAiErrorBody {
+    pub error: OpenAiErrorDetail,
+}
+
+#[derive(utoipa::ToSchema)]
+pub struct OpenAiErrorDetail {
+    pub message: String,
+    /// `invalid_request_error`, `authentication_error`, `permission_error`,
+    /// `not_found_error`, `rate_limit_error` or `server_error`.
+    #[schema(rename = "type")]
+    pub kind: String,
+    /// The request field at fault, or null.
+    pub param: Option<String>,
+    /// Bulkhead's stable string code (`bad_input`, `context_window_exceeded`, ...).
+    pub code: String,
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({
@@ -205,12 +280,12 @@ impl IntoResponse for OpenAiError {
             401 => "authentication_error",
             403 => "permission_error",
             404 => "not_found_error",
-            413 | 400 => "invalid_request_error",
+            400 | 405 | 413 => "invalid_request_error",
             429 => "rate_limit_error",
             _ => "server_error",
         };
         let body = serde_json::json!({
-            "error": { "message": e.message, "type": kind, "param": null, "code": e.kind }
+            "error": { "message": e.message, "type": kind, "param": e.param, "code": e.kind }
         });
         let mut resp = (e.status, Json(body)).into_response();
         for (k, v) in e.headers {
@@ -218,4 +293,111 @@ impl IntoResponse for OpenAiError {
         }
         resp
     }
+}
+
+/// The failures of a model run in the Workers AI envelope (OpenAPI).
+#[derive(utoipa::IntoResponses)]
+pub enum RunErrors {
+    /// 5006 bad input (the field at fault named), 5007 unknown or private model, 3003 no body
+    #[response(status = 400)]
+    BadRequest(ErrorEnvelope),
+    /// 10000 missing or bad token
+    #[response(status = 401)]
+    Unauthorized(ErrorEnvelope),
+    /// 10000 the token is not this account's
+    #[response(status = 403)]
+    Forbidden(ErrorEnvelope),
+    /// 3008 the request was aborted
+    #[response(status = 408)]
+    Aborted(ErrorEnvelope),
+    /// 3006 body too large, 5021 context window exceeded (with the token numbers)
+    #[response(status = 413)]
+    TooLarge(ErrorEnvelope),
+    /// 3021 rate limited, 3040 out of capacity (with retry-after)
+    #[response(status = 429)]
+    TooMany(ErrorEnvelope),
+    /// 3000 internal error
+    #[response(status = 500)]
+    Internal(ErrorEnvelope),
+    /// 3000 a node or KV transfer failed
+    #[response(status = 502)]
+    BadGateway(ErrorEnvelope),
+    /// 3040 no node can serve the model now (with retry-after)
+    #[response(status = 503)]
+    Unavailable(ErrorEnvelope),
+}
+
+/// The failures of a model run in OpenAI's shape (OpenAPI).
+#[derive(utoipa::IntoResponses)]
+pub enum OpenAiRunErrors {
+    /// invalid_request_error: bad input (`param` names the field), unknown or private model
+    #[response(status = 400)]
+    BadRequest(OpenAiErrorBody),
+    /// authentication_error
+    #[response(status = 401)]
+    Unauthorized(OpenAiErrorBody),
+    /// permission_error
+    #[response(status = 403)]
+    Forbidden(OpenAiErrorBody),
+    /// the request was aborted
+    #[response(status = 408)]
+    Aborted(OpenAiErrorBody),
+    /// invalid_request_error: body too large, context window exceeded
+    #[response(status = 413)]
+    TooLarge(OpenAiErrorBody),
+    /// rate_limit_error: rate limited or out of capacity (with retry-after)
+    #[response(status = 429)]
+    TooMany(OpenAiErrorBody),
+    /// server_error
+    #[response(status = 500)]
+    Internal(OpenAiErrorBody),
+    /// server_error: a node or KV transfer failed
+    #[response(status = 502)]
+    BadGateway(OpenAiErrorBody),
+    /// server_error: no node can serve the model now
+    #[response(status = 503)]
+    Unavailable(OpenAiErrorBody),
+}
+
+/// The failures of a tenant's read (OpenAPI).
+#[derive(utoipa::IntoResponses)]
+pub enum ReadErrors {
+    /// 5006 a bad query parameter (named), 5007 unknown or private model
+    #[response(status = 400)]
+    BadRequest(ErrorEnvelope),
+    /// 10000 missing or bad token
+    #[response(status = 401)]
+    Unauthorized(ErrorEnvelope),
+    /// 10000 the token is not this account's
+    #[response(status = 403)]
+    Forbidden(ErrorEnvelope),
+    /// 3000 internal error
+    #[response(status = 500)]
+    Internal(ErrorEnvelope),
+}
+
+/// The failures of an admin or workers API call (OpenAPI).
+#[derive(utoipa::IntoResponses)]
+pub enum ManageErrors {
+    /// 5006 bad input (the field named); 10021, 10022 a bad worker or its settings
+    #[response(status = 400)]
+    BadRequest(ErrorEnvelope),
+    /// 10000 missing or bad token
+    #[response(status = 401)]
+    Unauthorized(ErrorEnvelope),
+    /// 10000 a token of the wrong scope or account
+    #[response(status = 403)]
+    Forbidden(ErrorEnvelope),
+    /// 7003 no such tenant, token, model or worker; 10007 no such worker
+    #[response(status = 404)]
+    NotFound(ErrorEnvelope),
+    /// 1409 conflict: already exists, or the publish gate refused
+    #[response(status = 409)]
+    Conflict(ErrorEnvelope),
+    /// 3006 body too large; 10027 component too large
+    #[response(status = 413)]
+    TooLarge(ErrorEnvelope),
+    /// 3000 internal error
+    #[response(status = 500)]
+    Internal(ErrorEnvelope),
 }

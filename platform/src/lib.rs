@@ -1,6 +1,7 @@
 //! Bulkhead control plane: tenants, tokens, the model catalog with its visibility toggle and
 //! publish gate, the Workers-AI and OpenAI APIs, tenants' workers, usage and audit. See `ARCHITECTURE.md`.
 
+pub mod api;
 pub mod app;
 pub mod auth;
 pub mod catalog;
@@ -13,6 +14,7 @@ pub mod openapi;
 pub mod redis_bus;
 pub mod routes;
 pub mod serve;
+pub mod state;
 pub mod store;
 pub mod usage_meter;
 pub mod web;

@@ -10,7 +10,7 @@ use bulkhead_runtime::node::Node;
 use crate::app::{AppState, SharedState, router};
 use crate::catalog::Catalog;
 use crate::config::ServeConfig;
-use crate::inference::{TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
+use crate::inference::{Inference, TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
 use crate::limits::RateLimiter;
 use crate::redis_bus::RedisBus;
 use crate::store::{ModelRecord, Store, Visibility};
@@ -70,15 +70,18 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
     let workers = crate::workers::WorkerHost::new(cfg.workers.clone(), &cfg.data_dir())?;
     workers.refresh(&store).await?;
     workers.spawn_refresher(store.clone());
+    let inference = Arc::new(Inference {
+        catalog,
+        node,
+        nodes,
+        limits: RateLimiter::new(cfg.limits, redis.clone()),
+        usage,
+        safety_factor: cfg.node.safety_factor,
+    });
     let state = Arc::new(AppState {
         store,
-        catalog,
-        safety_factor: cfg.node.safety_factor,
-        node,
-        limits: RateLimiter::new(cfg.limits, redis.clone()),
+        inference,
         redis,
-        nodes,
-        usage,
         workers,
     });
     Ok((state, generated))
@@ -161,7 +164,7 @@ pub async fn run(
     let served = axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(shutdown)
         .await;
-    if let Err(e) = state.usage.flush(&state.store).await {
+    if let Err(e) = state.inference.usage.flush(&state.store).await {
         tracing::error!("usage of the last requests could not be written: {e}");
     }
     served

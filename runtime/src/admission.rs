@@ -23,15 +23,18 @@ pub fn check_generation(
             context_window,
         });
     }
-    if prompt_tokens + max_tokens > context_window {
+    // `max_tokens` comes from a client: a sum past `usize::MAX` exceeds every window.
+    let Some(needed) = prompt_tokens
+        .checked_add(max_tokens)
+        .filter(|&n| n <= context_window)
+    else {
         return Err(AdmissionError::PromptPlusMaxTokensExceedsContext {
             prompt: prompt_tokens,
             max_tokens,
             context_window,
         });
-    }
+    };
     // Impossible after the startup check (pool >= window x factor >= window), and still checked.
-    let needed = prompt_tokens + max_tokens;
     if needed > pool_capacity_tokens {
         return Err(AdmissionError::ExceedsPool {
             needed,
@@ -66,13 +69,56 @@ pub enum CapacityError {
     },
 }
 
-/// Tokens a pool must hold to serve a model of `context_window` with `factor`.
+/// Tokens a pool must hold to serve a model of `context_window` with `factor` (saturating:
+/// a product past `usize::MAX` is a requirement no pool meets).
 pub fn required_pool_tokens(context_window: usize, factor: f64) -> usize {
+    // A float-to-int `as` saturates, and NaN becomes 0 (a NaN factor is refused by `check`).
     (context_window as f64 * factor).ceil() as usize
 }
 
-/// The pre-deployment check: does a pool of `pool_tokens` fit every model it serves?
-/// Used by the node at startup, by `bulkhead check` and by the catalog's publish gate.
+/// A pool against one model it serves: the numbers of the pre-deployment check. The one fit
+/// rule that node startup, `bulkhead check`, the catalog's publish gate, the control plane's
+/// routing and its node listing all apply, so they cannot disagree.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolFit {
+    pub model: String,
+    pub pool_tokens: usize,
+    pub context_window: usize,
+    pub factor: f64,
+    /// `context_window x factor`, rounded up.
+    pub required_tokens: usize,
+}
+
+impl PoolFit {
+    pub fn new(model: &str, context_window: usize, pool_tokens: usize, factor: f64) -> PoolFit {
+        PoolFit {
+            model: model.to_string(),
+            pool_tokens,
+            context_window,
+            factor,
+            required_tokens: required_pool_tokens(context_window, factor),
+        }
+    }
+
+    /// Whether the pool holds the model's window times the factor, with the numbers if not.
+    pub fn check(&self) -> Result<(), CapacityError> {
+        if self.factor.is_nan() || self.factor < 1.0 {
+            return Err(CapacityError::FactorBelowOne(self.factor));
+        }
+        if self.pool_tokens < self.required_tokens {
+            return Err(CapacityError::PoolTooSmall {
+                model: self.model.clone(),
+                pool_tokens: self.pool_tokens,
+                context_window: self.context_window,
+                factor: self.factor,
+                required: self.required_tokens,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The pre-deployment check of a whole pool: does `pool_tokens` fit every model it serves?
 pub fn check_pool_fits(
     pool_tokens: usize,
     models: &[ServedModel],
@@ -81,19 +127,9 @@ pub fn check_pool_fits(
     if factor.is_nan() || factor < 1.0 {
         return Err(CapacityError::FactorBelowOne(factor));
     }
-    for m in models {
-        let required = required_pool_tokens(m.context_window, factor);
-        if pool_tokens < required {
-            return Err(CapacityError::PoolTooSmall {
-                model: m.name.clone(),
-                pool_tokens,
-                context_window: m.context_window,
-                factor,
-                required,
-            });
-        }
-    }
-    Ok(())
+    models
+        .iter()
+        .try_for_each(|m| PoolFit::new(&m.name, m.context_window, pool_tokens, factor).check())
 }
 
 #[cfg(test)]
@@ -143,6 +179,41 @@ mod tests {
         // Even with factor 1.0 it does not fit.
         assert!(check_pool_fits(681_280, &models, 1.0).is_err());
         assert!(check_pool_fits(2_097_152, &models, 2.0).is_ok());
+    }
+
+    /// A client's `max_tokens` near `usize::MAX` once overflowed `prompt + max_tokens` (a
+    /// panic with overflow checks; without them, a wrapped sum that was admitted).
+    #[test]
+    fn a_huge_max_tokens_is_refused_not_overflowed() {
+        let e = check_generation(10, usize::MAX, 4096, 8192).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                AdmissionError::PromptPlusMaxTokensExceedsContext { max_tokens, .. }
+                    if max_tokens == usize::MAX
+            ),
+            "{e:?}"
+        );
+        assert!(check_generation(2, usize::MAX - 1, usize::MAX, usize::MAX).is_err());
+    }
+
+    #[test]
+    fn one_fit_rule_with_its_numbers() {
+        let fit = PoolFit::new("m", 4096, 8000, 2.0);
+        assert_eq!(fit.required_tokens, 8192);
+        let msg = fit.check().unwrap_err().to_string();
+        assert!(
+            msg.contains("8000") && msg.contains("4096") && msg.contains("8192"),
+            "{msg}"
+        );
+        assert!(PoolFit::new("m", 4096, 8192, 2.0).check().is_ok());
+        // A window too large to multiply needs more than any pool.
+        let huge = PoolFit::new("m", usize::MAX, usize::MAX - 1, 2.0);
+        assert!(huge.check().is_err());
+        assert!(matches!(
+            PoolFit::new("m", 1, 10, f64::NAN).check(),
+            Err(CapacityError::FactorBelowOne(_))
+        ));
     }
 
     #[test]

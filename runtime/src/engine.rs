@@ -424,9 +424,11 @@ impl Engine {
     ) -> Result<Submission, RuntimeError> {
         req.params.validate()?;
         let prompt = self.tokenize_prompt(&req.input)?;
+        let mut params = req.params;
+        params.fit_default_to_window(prompt.len(), self.model.context_window);
         check_generation(
             prompt.len(),
-            req.params.max_tokens,
+            params.max_tokens,
             self.model.context_window,
             self.pool.capacity_tokens(),
         )?;
@@ -449,7 +451,7 @@ impl Engine {
                 request,
             },
             prompt,
-            params: req.params,
+            params,
             events: tx,
             deadline: Instant::now() + Duration::from_millis(self.cfg.queue_timeout_ms),
             mode: if prefill_only {
@@ -557,7 +559,8 @@ impl Worker {
             };
             // A prefill-only job needs its prompt's pages; a received one has its pages.
             let need = match job.mode {
-                JobMode::Generate => Some(job.prompt.len() + job.params.max_tokens),
+                // Bounded by the window at submission; saturating all the same.
+                JobMode::Generate => Some(job.prompt.len().saturating_add(job.params.max_tokens)),
                 JobMode::PrefillOnly => Some(job.prompt.len()),
                 JobMode::Transferred { .. } => None,
             };
@@ -568,45 +571,92 @@ impl Worker {
             };
             let job = self.waiting.pop_front().expect("front exists");
             self.queued.fetch_sub(1, Ordering::Relaxed);
-            let _ = job.events.send(GenEvent::Admitted {
-                prompt_tokens: job.prompt.len(),
-            });
-            let (kv, prefilled, logits, prefill_only) = match (job.mode, reservation) {
-                (JobMode::Transferred { kv, logits }, _) => {
-                    (kv, job.prompt.len(), Some(logits), false)
-                }
-                (mode, Some(reservation)) => (
-                    self.pool.open(job.owner.clone(), reservation),
-                    0,
-                    None,
-                    matches!(mode, JobMode::PrefillOnly),
-                ),
-                (_, None) => unreachable!("only received jobs come without a reservation"),
-            };
-            let mut r = Running {
-                owner: job.owner,
-                prefill_only,
-                kv,
-                prefilled,
-                generated: Vec::with_capacity(job.params.max_tokens),
-                sampler: Sampler::new(&job.params),
-                text: TextStream::new(job.params.stop.clone()),
-                params: job.params,
-                prompt: job.prompt,
-                events: job.events,
-                admitted_at: Instant::now(),
-                last_token_at: None,
-            };
-            // A received sequence starts by sampling its first token from the prefill logits.
-            let first = logits.map(|l| Self::on_logits(&self.model, &self.metrics, &mut r, l));
-            match first {
-                None | Some(Ok(None)) => self.running.push(r),
-                Some(Ok(Some(reason))) => self.finish(r, Outcome::Done(reason)),
-                Some(Err(e)) => self.finish(r, Outcome::Failed(e)),
-            }
+            self.start_sequence(job, reservation);
         }
         self.running_count
             .store(self.running.len(), Ordering::Relaxed);
+    }
+
+    /// Start an admitted job. The work that depends on what the client sent (its sampler,
+    /// stop sequences, a received sequence's first token) runs inside a panic guard, as a
+    /// step does: a panic there fails this request alone and the engine goes on.
+    fn start_sequence(&mut self, job: Job, reservation: Option<crate::kv::Reservation>) {
+        let _ = job.events.send(GenEvent::Admitted {
+            prompt_tokens: job.prompt.len(),
+        });
+        let (kv, prefilled, logits, prefill_only) = match (job.mode, reservation) {
+            (JobMode::Transferred { kv, logits }, _) => (kv, job.prompt.len(), Some(logits), false),
+            (mode, Some(reservation)) => (
+                self.pool.open(job.owner.clone(), reservation),
+                0,
+                None,
+                matches!(mode, JobMode::PrefillOnly),
+            ),
+            (_, None) => unreachable!("only received jobs come without a reservation"),
+        };
+        // Outside the guard the sequence owns nothing that a panic could leak: its pages are
+        // in `kv`, released below whatever happens.
+        let parts = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            #[cfg(test)]
+            tests::panic_hook(&job.params);
+            (
+                // Bounded by the window: `max_tokens` was checked against it at submission.
+                Vec::with_capacity(job.params.max_tokens.min(self.model.context_window)),
+                Sampler::new(&job.params),
+                TextStream::new(job.params.stop.clone()),
+            )
+        }));
+        let (generated, sampler, text) = match parts {
+            Ok(parts) => parts,
+            Err(_) => {
+                tracing::error!(request = job.owner.request, "admitting a request panicked");
+                self.metrics.reject(&self.model.name, "internal");
+                let mut kv = kv;
+                self.pool.release(&mut kv);
+                let e = RuntimeError::Internal("admitting the request failed".into());
+                let _ = job.events.send(GenEvent::Error(e));
+                return;
+            }
+        };
+        let mut r = Running {
+            owner: job.owner,
+            prefill_only,
+            kv,
+            prefilled,
+            generated,
+            sampler,
+            text,
+            params: job.params,
+            prompt: job.prompt,
+            events: job.events,
+            admitted_at: Instant::now(),
+            last_token_at: None,
+        };
+        // A received sequence starts by sampling its first token from the prefill logits.
+        match logits.map(|l| Self::guarded_logits(&self.model, &self.metrics, &mut r, l)) {
+            None | Some(Ok(None)) => self.running.push(r),
+            Some(Ok(Some(reason))) => self.finish(r, Outcome::Done(reason)),
+            Some(Err(e)) => self.finish(r, Outcome::Failed(e)),
+        }
+    }
+
+    /// [`Self::on_logits`] inside a panic guard: sampling and detokenising one sequence's
+    /// token must not take the engine down with it.
+    fn guarded_logits(
+        model: &TextModel,
+        metrics: &NodeMetrics,
+        r: &mut Running,
+        logits: Vec<f32>,
+    ) -> Result<Option<FinishReason>, RuntimeError> {
+        std::panic::catch_unwind(AssertUnwindSafe(|| {
+            Self::on_logits(model, metrics, r, logits)
+        }))
+        .unwrap_or_else(|_| {
+            tracing::error!(request = r.owner.request, "sampling panicked");
+            Err(RuntimeError::Internal(
+                "sampling the next token failed".into(),
+            ))
+        })
     }
 
     /// Client gone: stop the sequence and release its pages (between steps).
@@ -731,7 +781,7 @@ impl Worker {
                             finished.push((*i, Outcome::Handoff(logits)))
                         }
                         Some(logits) => {
-                            match Self::on_logits(&self.model, &self.metrics, r, logits) {
+                            match Self::guarded_logits(&self.model, &self.metrics, r, logits) {
                                 Ok(None) => {}
                                 Ok(Some(reason)) => finished.push((*i, Outcome::Done(reason))),
                                 Err(e) => finished.push((*i, Outcome::Failed(e))),
@@ -801,10 +851,7 @@ impl Worker {
         r: &mut Running,
         logits: Vec<f32>,
     ) -> Result<Option<FinishReason>, RuntimeError> {
-        let mut context = Vec::with_capacity(r.prompt.len() + r.generated.len());
-        context.extend_from_slice(&r.prompt);
-        context.extend_from_slice(&r.generated);
-        let id = r.sampler.sample(logits, &context)?;
+        let id = r.sampler.sample(logits, &r.prompt, &r.generated)?;
         let now = Instant::now();
         let l = label(&model.name);
         match r.last_token_at {
@@ -863,5 +910,91 @@ impl Drop for Worker {
                 "engine stopped".into(),
             )));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::{Node, NodeConfig, SMOLLM2_NAME, TextModelConfig};
+
+    /// A stop sequence that makes admission panic, in test builds only: the way to check
+    /// that a request which panics the engine's admission fails alone.
+    const PANIC_ON_ADMIT: &str = "\u{1}test: panic while admitted\u{1}";
+
+    pub(super) fn panic_hook(params: &SamplingParams) {
+        if params.stop.iter().any(|s| s == PANIC_ON_ADMIT) {
+            panic!("test hook: this request panics while it is admitted");
+        }
+    }
+
+    fn engine() -> (Node, Arc<Engine>) {
+        let dir = crate::models::fetch::default_cache_dir();
+        crate::models::fetch::fetch_all(&dir).expect("fetching the bundled models");
+        let cfg = NodeConfig {
+            models_dir: Some(dir),
+            text_models: vec![TextModelConfig {
+                name: SMOLLM2_NAME.into(),
+                path: None,
+                weights: Default::default(),
+                context_window: Some(256),
+                system_prompt: None,
+            }],
+            embedding_models: vec![],
+            ..NodeConfig::default()
+        };
+        let node = Node::start(&cfg).expect("starting a node");
+        let engine = node.text[SMOLLM2_NAME].clone();
+        (node, engine)
+    }
+
+    fn request(stop: Vec<String>) -> GenerateRequest {
+        GenerateRequest {
+            tenant: "t".into(),
+            input: PromptInput::Text {
+                prompt: "What is the capital of France?".into(),
+                raw: false,
+            },
+            params: SamplingParams {
+                max_tokens: 4,
+                stop,
+                ..SamplingParams::default()
+            },
+        }
+    }
+
+    fn outcome(sub: Submission) -> Result<(String, Usage, FinishReason), RuntimeError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let mut events = sub.events;
+        rt.block_on(collect(Vec::new(), &mut events))
+    }
+
+    /// A request that panics while it is admitted fails with an internal error of its own,
+    /// its pages go back to the pool, and the engine serves the next request. Without the
+    /// guard the panic ended the engine thread: every later request failed until a restart.
+    #[test]
+    fn a_request_that_panics_in_admission_fails_alone() {
+        let (_node, engine) = engine();
+        let free_before = engine.pool().stats().pages_free;
+        let bad = engine.submit(request(vec![PANIC_ON_ADMIT.into()])).unwrap();
+        let e = outcome(bad).unwrap_err();
+        assert!(matches!(e, RuntimeError::Internal(_)), "{e:?}");
+        let (text, usage, _) = outcome(engine.submit(request(vec![])).unwrap()).unwrap();
+        assert!(usage.completion_tokens > 0 && !text.is_empty(), "{text:?}");
+        assert_eq!(engine.pool().stats().pages_free, free_before);
+    }
+
+    /// `max_tokens` near `usize::MAX` is refused at submission with the numbers (it once
+    /// overflowed `prompt + max_tokens`), and the engine goes on.
+    #[test]
+    fn a_huge_max_tokens_is_refused_at_submission() {
+        let (_node, engine) = engine();
+        let mut req = request(vec![]);
+        req.params.max_tokens = usize::MAX;
+        let e = engine.submit(req).err().expect("refused");
+        assert_eq!(e.code(), "context_window_exceeded", "{e:?}");
+        assert!(outcome(engine.submit(request(vec![])).unwrap()).is_ok());
     }
 }

@@ -238,8 +238,12 @@ impl Node {
             }];
             // The pool is rounded up to whole pages; check what will actually exist.
             let pages = pool_tokens.div_ceil(cfg.page_size.max(1)).max(1);
-            check_pool_fits(pages * cfg.page_size, &served, cfg.safety_factor)
-                .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
+            check_pool_fits(
+                pages.saturating_mul(cfg.page_size),
+                &served,
+                cfg.safety_factor,
+            )
+            .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
             let pool = Arc::new(KvPool::new(layout, cfg.page_size, pages));
             tracing::info!(
                 model = %m.name,
@@ -345,7 +349,7 @@ pub fn check_config(cfg: &NodeConfig, windows: &BTreeMap<String, usize>) -> anyh
             .with_context(|| "pool_tokens must be set for a deployment check".to_string())?;
         let pages = pool_tokens.div_ceil(cfg.page_size.max(1)).max(1);
         check_pool_fits(
-            pages * cfg.page_size,
+            pages.saturating_mul(cfg.page_size),
             &[ServedModel {
                 name: m.name.clone(),
                 context_window: window,

@@ -16,7 +16,15 @@ pub struct SamplingParams {
     pub top_k: Option<usize>,
     pub seed: Option<u64>,
     pub repetition_penalty: Option<f32>,
+    /// OpenAI's: subtracted from a token's logit once per time it was generated (-2..2).
+    pub frequency_penalty: f32,
+    /// OpenAI's: subtracted from a token's logit once it has been generated at all (-2..2).
+    pub presence_penalty: f32,
     pub max_tokens: usize,
+    /// `max_tokens` is a default the client did not ask for: admission lowers it to what the
+    /// window leaves after the prompt (as vLLM and the OpenAI API do) instead of refusing.
+    /// A `max_tokens` the client gave is never lowered.
+    pub max_tokens_is_default: bool,
     pub stop: Vec<String>,
     /// Keep generating past end-of-sequence tokens until `max_tokens` (benchmarks; as vLLM).
     pub ignore_eos: bool,
@@ -30,7 +38,10 @@ impl Default for SamplingParams {
             top_k: None,
             seed: None,
             repetition_penalty: None,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
             max_tokens: 256,
+            max_tokens_is_default: false,
             stop: Vec::new(),
             ignore_eos: false,
         }
@@ -56,13 +67,37 @@ impl SamplingParams {
         {
             return bad(format!("repetition_penalty {r} is outside (0, 10]"));
         }
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} {v} is outside -2..2"));
+            }
+        }
         if self.max_tokens == 0 {
             return bad("max_tokens must be at least 1".into());
         }
-        if self.stop.len() > 4 || self.stop.iter().any(|s| s.is_empty() || s.len() > 64) {
-            return bad("stop takes up to 4 non-empty sequences of at most 64 bytes".into());
+        if self.stop.len() > 4
+            || self
+                .stop
+                .iter()
+                .any(|s| s.is_empty() || s.chars().count() > 64)
+        {
+            return bad("stop takes up to 4 sequences of 1 to 64 characters".into());
         }
         Ok(())
+    }
+}
+
+impl SamplingParams {
+    /// A default `max_tokens` lowered to the room `window` leaves after `prompt` tokens
+    /// (when there is any: a prompt that fills the window is still refused by admission).
+    pub fn fit_default_to_window(&mut self, prompt: usize, window: usize) {
+        let room = window.saturating_sub(prompt);
+        if self.max_tokens_is_default && room > 0 {
+            self.max_tokens = self.max_tokens.min(room);
+        }
     }
 }
 
@@ -70,6 +105,8 @@ impl SamplingParams {
 pub struct Sampler {
     processor: LogitsProcessor,
     repetition_penalty: Option<f32>,
+    frequency_penalty: f32,
+    presence_penalty: f32,
     /// How far back the repetition penalty looks, like llama.cpp's `repeat_last_n`.
     penalty_window: usize,
 }
@@ -98,21 +135,44 @@ impl Sampler {
         Sampler {
             processor: LogitsProcessor::from_sampling(seed, sampling),
             repetition_penalty: params.repetition_penalty.filter(|&r| r != 1.0),
+            frequency_penalty: params.frequency_penalty,
+            presence_penalty: params.presence_penalty,
             penalty_window: 64,
         }
     }
 
-    /// Pick the next token from `logits`, given the tokens so far (prompt and generated).
-    pub fn sample(&mut self, logits: Vec<f32>, context: &[u32]) -> Result<u32, RuntimeError> {
+    /// Pick the next token from `logits`, given the prompt and the tokens generated so far.
+    pub fn sample(
+        &mut self,
+        mut logits: Vec<f32>,
+        prompt: &[u32],
+        generated: &[u32],
+    ) -> Result<u32, RuntimeError> {
         if logits.iter().any(|x| x.is_nan()) {
             // NaN is what a poisoned page would produce: never sample from it.
             return Err(RuntimeError::Internal("non-finite logits".into()));
         }
+        if self.frequency_penalty != 0.0 || self.presence_penalty != 0.0 {
+            // As OpenAI and vLLM: over the generated tokens only.
+            let mut counts = std::collections::HashMap::<u32, u32>::new();
+            for &id in generated {
+                *counts.entry(id).or_default() += 1;
+            }
+            for (id, n) in counts {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l -= self.frequency_penalty * n as f32 + self.presence_penalty;
+                }
+            }
+        }
         let n = logits.len();
         let mut t = Tensor::from_vec(logits, n, &Device::Cpu)?;
         if let Some(penalty) = self.repetition_penalty {
-            let start = context.len().saturating_sub(self.penalty_window);
-            t = candle_transformers::utils::apply_repeat_penalty(&t, penalty, &context[start..])?;
+            // The last `penalty_window` tokens of prompt and generation together.
+            let from_generated = generated.len().min(self.penalty_window);
+            let from_prompt = (self.penalty_window - from_generated).min(prompt.len());
+            let mut recent = prompt[prompt.len() - from_prompt..].to_vec();
+            recent.extend_from_slice(&generated[generated.len() - from_generated..]);
+            t = candle_transformers::utils::apply_repeat_penalty(&t, penalty, &recent)?;
         }
         Ok(self.processor.sample(&t)?)
     }
@@ -233,7 +293,7 @@ mod tests {
         let run = || {
             let mut s = Sampler::new(&params);
             (0..20)
-                .map(|_| s.sample(logits.clone(), &[]).unwrap())
+                .map(|_| s.sample(logits.clone(), &[], &[]).unwrap())
                 .collect::<Vec<_>>()
         };
         assert_eq!(run(), run());
@@ -244,7 +304,7 @@ mod tests {
     #[test]
     fn greedy_picks_the_largest_logit() {
         let mut s = Sampler::new(&SamplingParams::default());
-        assert_eq!(s.sample(vec![0.1, 3.0, -1.0], &[]).unwrap(), 1);
+        assert_eq!(s.sample(vec![0.1, 3.0, -1.0], &[], &[]).unwrap(), 1);
     }
 
     #[test]
@@ -254,7 +314,57 @@ mod tests {
             ..Default::default()
         };
         let mut s = Sampler::new(&params);
-        assert_eq!(s.sample(vec![1.0, 0.9], &[0]).unwrap(), 1);
+        assert_eq!(s.sample(vec![1.0, 0.9], &[0], &[]).unwrap(), 1);
+        let mut s = Sampler::new(&params);
+        assert_eq!(s.sample(vec![1.0, 0.9], &[], &[0]).unwrap(), 1);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_count_generated_tokens() {
+        let freq = SamplingParams {
+            frequency_penalty: 0.2,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(&freq);
+        // Token 0 leads by 0.3: generated once it still wins, twice it does not.
+        assert_eq!(s.sample(vec![1.2, 0.9], &[], &[0]).unwrap(), 0);
+        assert_eq!(s.sample(vec![1.2, 0.9], &[], &[0, 0]).unwrap(), 1);
+        // The prompt does not count.
+        assert_eq!(s.sample(vec![1.2, 0.9], &[0, 0, 0], &[]).unwrap(), 0);
+        let presence = SamplingParams {
+            presence_penalty: 0.5,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(&presence);
+        assert_eq!(s.sample(vec![1.2, 0.9], &[], &[0]).unwrap(), 1);
+        // A negative penalty encourages repetition.
+        let mut s = Sampler::new(&SamplingParams {
+            presence_penalty: -0.5,
+            ..Default::default()
+        });
+        assert_eq!(s.sample(vec![0.9, 1.2], &[], &[0]).unwrap(), 0);
+    }
+
+    #[test]
+    fn only_a_default_max_tokens_is_fitted_to_the_window() {
+        let mut p = SamplingParams {
+            max_tokens: 256,
+            max_tokens_is_default: true,
+            ..Default::default()
+        };
+        p.fit_default_to_window(200, 256);
+        assert_eq!(p.max_tokens, 56);
+        p.fit_default_to_window(256, 256);
+        assert_eq!(
+            p.max_tokens, 56,
+            "a full window is left to admission to refuse"
+        );
+        let mut asked = SamplingParams {
+            max_tokens: 256,
+            ..Default::default()
+        };
+        asked.fit_default_to_window(200, 256);
+        assert_eq!(asked.max_tokens, 256);
     }
 
     #[test]
@@ -274,6 +384,14 @@ mod tests {
             },
             SamplingParams {
                 max_tokens: 0,
+                ..Default::default()
+            },
+            SamplingParams {
+                frequency_penalty: 2.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                presence_penalty: -3.0,
                 ..Default::default()
             },
         ] {

@@ -127,8 +127,33 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/generate", post(generate))
         .route("/v1/embed", post(embed))
         .route("/metrics", get(metrics))
+        // Every answer, a wrong path or method included, is in the node's error shape.
+        .fallback(|| async { error_response(StatusCode::NOT_FOUND, "not_found", "no such route") })
+        .method_not_allowed_fallback(|| async {
+            error_response(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "method not allowed on this route",
+            )
+        })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(node)
+}
+
+/// `{"error": {"code", "message"}}` for failures that are not a `RuntimeError`.
+fn error_response(status: StatusCode, code: &str, message: &str) -> Response {
+    let body = serde_json::json!({ "error": { "code": code, "message": message } });
+    (status, Json(body)).into_response()
+}
+
+/// The answer to a body axum would not read: 413 over [`MAX_BODY_BYTES`], in our shape.
+fn body_rejection(r: axum::extract::rejection::BytesRejection) -> Response {
+    let code = if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        "body_too_large"
+    } else {
+        "bad_input"
+    };
+    error_response(r.status(), code, &r.body_text())
 }
 
 /// Parse a JSON body ourselves so that a malformed one gets our error shape and a 400.
@@ -185,9 +210,16 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
 
 async fn generate(
     State(node): State<Arc<Node>>,
-    body: axum::body::Bytes,
-) -> Result<Response, ApiError> {
-    let body: GenerateBody = parse(&body)?;
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
+    match body {
+        Ok(body) => generate_parsed(node, &body).await.into_response(),
+        Err(r) => body_rejection(r),
+    }
+}
+
+async fn generate_parsed(node: Arc<Node>, body: &[u8]) -> Result<Response, ApiError> {
+    let body: GenerateBody = parse(body)?;
     let engine = node
         .text
         .get(&body.model)
@@ -292,9 +324,16 @@ async fn generate(
 
 async fn embed(
     State(node): State<Arc<Node>>,
-    body: axum::body::Bytes,
-) -> Result<Response, ApiError> {
-    let body: EmbedBody = parse(&body)?;
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
+    match body {
+        Ok(body) => embed_parsed(node, &body).await.into_response(),
+        Err(r) => body_rejection(r),
+    }
+}
+
+async fn embed_parsed(node: Arc<Node>, body: &[u8]) -> Result<Response, ApiError> {
+    let body: EmbedBody = parse(body)?;
     let started = std::time::Instant::now();
     let (data, prompt_tokens) = node.embed(&body.model, body.texts).await?;
     let took = started.elapsed();

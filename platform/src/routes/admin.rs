@@ -1,16 +1,19 @@
 //! The admin API under `/admin/v1/` (admin token only). Every change is in the audit log.
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use serde::Deserialize;
 
+use super::extract::{Path, Query};
 use super::read_json;
-use crate::app::SharedState;
 use crate::auth;
 use crate::envelope::{ApiError, ok};
-use crate::inference::{TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION, pool_fits};
+use crate::inference::route::{pool_fit, unfit_reason};
+use crate::inference::validate::within_range;
+use crate::inference::{TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
+use crate::state::SharedState;
 use crate::store::{AuditFilter, ModelRecord, Principal, Scope, Visibility};
 
 fn actor(p: &Principal) -> String {
@@ -20,10 +23,12 @@ fn actor(p: &Principal) -> String {
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewTenant {
+    /// Not blank.
+    #[schema(pattern = "\\S", max_length = 256)]
     name: String,
 }
 
-#[utoipa::path(post, path = "/admin/v1/tenants", tag = "admin", request_body = NewTenant, responses((status = 200, body = crate::openapi::Envelope<crate::store::Tenant>), (status = 409, body = crate::openapi::ErrorEnvelope)))]
+#[utoipa::path(post, path = "/admin/v1/tenants", tag = "admin", request_body = NewTenant, responses((status = 200, body = crate::envelope::Envelope<crate::store::Tenant>), crate::envelope::ManageErrors))]
 pub async fn create_tenant(
     State(s): State<SharedState>,
     headers: HeaderMap,
@@ -31,8 +36,11 @@ pub async fn create_tenant(
 ) -> Result<Response, ApiError> {
     let p = auth::admin(&s.store, &headers).await?;
     let req: NewTenant = read_json(body).await?;
-    if req.name.trim().is_empty() {
-        return Err(ApiError::bad_input("name must not be empty"));
+    if req.name.trim().is_empty() || req.name.chars().count() > 256 {
+        return Err(ApiError::bad_field(
+            "name",
+            "1 to 256 characters, not all blank",
+        ));
     }
     let t = s.store.create_tenant(req.name.trim()).await?;
     let after = serde_json::to_value(&t).map_err(ApiError::internal)?;
@@ -42,7 +50,7 @@ pub async fn create_tenant(
     Ok(ok(t))
 }
 
-#[utoipa::path(get, path = "/admin/v1/tenants", tag = "admin", responses((status = 200, body = crate::openapi::Envelope<Vec<crate::store::Tenant>>)))]
+#[utoipa::path(get, path = "/admin/v1/tenants", tag = "admin", responses((status = 200, body = crate::envelope::Envelope<Vec<crate::store::Tenant>>), crate::envelope::ManageErrors))]
 pub async fn list_tenants(
     State(s): State<SharedState>,
     headers: HeaderMap,
@@ -57,7 +65,7 @@ pub struct NewToken {
     name: Option<String>,
 }
 
-#[utoipa::path(post, path = "/admin/v1/tenants/{id}/tokens", tag = "admin", params(("id" = String, Path)), request_body = NewToken, responses((status = 200, description = "The secret is in the answer once", body = crate::openapi::Envelope<crate::store::CreatedToken>), (status = 404, body = crate::openapi::ErrorEnvelope)))]
+#[utoipa::path(post, path = "/admin/v1/tenants/{id}/tokens", tag = "admin", params(("id" = String, Path)), request_body = Option<NewToken>, responses((status = 200, description = "The secret is in the answer once", body = crate::envelope::Envelope<crate::store::CreatedToken>), crate::envelope::ManageErrors))]
 pub async fn create_token(
     State(s): State<SharedState>,
     Path(tenant_id): Path<String>,
@@ -65,12 +73,12 @@ pub async fn create_token(
     body: Body,
 ) -> Result<Response, ApiError> {
     let p = auth::admin(&s.store, &headers).await?;
-    // An empty body is allowed here: the name is optional.
+    // No body (or `null`) is allowed here: the name is optional.
     let bytes = super::read_body(body).await?;
     let req: NewToken = if bytes.is_empty() {
         NewToken::default()
     } else {
-        serde_json::from_slice(&bytes).map_err(ApiError::bad_input)?
+        crate::api::parse_json::<Option<NewToken>>(&bytes)?.unwrap_or_default()
     };
     if s.store.get_tenant(&tenant_id).await?.is_none() {
         return Err(ApiError::not_found(format!("no tenant {tenant_id}")));
@@ -87,7 +95,7 @@ pub async fn create_token(
     Ok(ok(created))
 }
 
-#[utoipa::path(get, path = "/admin/v1/tenants/{id}/tokens", tag = "admin", params(("id" = String, Path)), responses((status = 200, body = crate::openapi::Envelope<Vec<crate::store::TokenInfo>>)))]
+#[utoipa::path(get, path = "/admin/v1/tenants/{id}/tokens", tag = "admin", params(("id" = String, Path)), responses((status = 200, body = crate::envelope::Envelope<Vec<crate::store::TokenInfo>>), crate::envelope::ManageErrors))]
 pub async fn list_tokens(
     State(s): State<SharedState>,
     Path(tenant_id): Path<String>,
@@ -97,7 +105,7 @@ pub async fn list_tokens(
     Ok(ok(s.store.list_tokens(&tenant_id).await?))
 }
 
-#[utoipa::path(delete, path = "/admin/v1/tokens/{token_id}", tag = "admin", params(("token_id" = String, Path)), responses((status = 200, body = Object), (status = 404, body = crate::openapi::ErrorEnvelope)))]
+#[utoipa::path(delete, path = "/admin/v1/tokens/{token_id}", tag = "admin", params(("token_id" = String, Path)), responses((status = 200, body = Object), crate::envelope::ManageErrors))]
 pub async fn revoke_token(
     State(s): State<SharedState>,
     Path(token_id): Path<String>,
@@ -110,7 +118,10 @@ pub async fn revoke_token(
     }
     // The revocation moved the shared version: tell the other replicas now (Redis) rather
     // than at their next poll, so that none keeps serving the token from its cache.
-    s.catalog.changed(&s.store, s.redis.as_ref()).await?;
+    s.inference
+        .catalog
+        .changed(&s.store, s.redis.as_ref())
+        .await?;
     // The tenant is named so that the audit log filtered by tenant shows the revocation.
     let after = serde_json::json!({"id": token_id, "revoked": true, "tenant": tenant});
     s.store
@@ -119,44 +130,40 @@ pub async fn revoke_token(
     Ok(ok(serde_json::json!({"id": token_id})))
 }
 
-/// Why each node that serves `m` can or cannot take it (the pre-deployment gate).
+/// Why each node that serves `m` can or cannot take it (the pre-deployment gate): the
+/// runtime's one fit rule, node by node.
 fn gate(s: &SharedState, m: &ModelRecord) -> Vec<serde_json::Value> {
+    let inference = &s.inference;
+    let factor = inference.safety_factor;
+    let verdict = |node: &str, pool_tokens: usize| {
+        let fit = pool_fit(m, pool_tokens, factor);
+        let reason = unfit_reason(node, &fit);
+        serde_json::json!({
+            "node": node,
+            "pool_tokens": pool_tokens,
+            "required_tokens": fit.required_tokens,
+            "fits": reason.is_none(),
+            "reason": reason,
+        })
+    };
     let mut out = Vec::new();
-    if let Some(engine) = s.node.text.get(&m.name) {
-        let check = pool_fits(engine, m, s.safety_factor);
-        out.push(serde_json::json!({
-            "node": "embedded",
-            "pool_tokens": engine.pool().capacity_tokens(),
-            "required_tokens": bulkhead_runtime::admission::required_pool_tokens(m.context_window.max(0) as usize, s.safety_factor),
-            "fits": check.is_ok(),
-            "reason": check.err(),
-        }));
-    } else if s.node.embed.contains_key(&m.name) {
+    if let Some(engine) = inference.node.text.get(&m.name) {
+        out.push(verdict("embedded", engine.pool().capacity_tokens()));
+    } else if inference.node.embed.contains_key(&m.name) {
         out.push(serde_json::json!({"node": "embedded", "fits": true, "reason": null}));
     }
-    let required = bulkhead_runtime::admission::required_pool_tokens(
-        m.context_window.max(0) as usize,
-        s.safety_factor,
-    );
-    for n in s.nodes.all().into_iter().filter(|n| n.healthy()) {
+    for n in inference.nodes.all().into_iter().filter(|n| n.healthy()) {
         let Some(served) = n.serves(&m.name) else {
             continue;
         };
-        let reason = served.pool.and_then(|p| {
-            (p.capacity_tokens < required).then(|| {
-                format!(
-                    "node {} pool of {} tokens is smaller than context window {} x safety factor {} = {required}",
-                    n.id, p.capacity_tokens, m.context_window, s.safety_factor
-                )
-            })
+        out.push(match served.pool {
+            Some(p) => verdict(&n.id, p.capacity_tokens),
+            // An embeddings model holds no KV pool.
+            None => serde_json::json!({
+                "node": n.id, "pool_tokens": null, "required_tokens": null,
+                "fits": true, "reason": null,
+            }),
         });
-        out.push(serde_json::json!({
-            "node": n.id,
-            "pool_tokens": served.pool.map(|p| p.capacity_tokens),
-            "required_tokens": served.pool.map(|_| required),
-            "fits": reason.is_none(),
-            "reason": reason,
-        }));
     }
     out
 }
@@ -174,7 +181,7 @@ fn model_view(s: &SharedState, m: &ModelRecord) -> serde_json::Value {
     v
 }
 
-#[utoipa::path(get, path = "/admin/v1/models", tag = "admin", responses((status = 200, description = "Models with the publish gate per serving node", body = crate::openapi::Envelope<Vec<ModelRecord>>)))]
+#[utoipa::path(get, path = "/admin/v1/models", tag = "admin", responses((status = 200, description = "Models with the publish gate per serving node", body = crate::envelope::Envelope<Vec<ModelRecord>>), crate::envelope::ManageErrors))]
 pub async fn list_models(
     State(s): State<SharedState>,
     headers: HeaderMap,
@@ -190,22 +197,32 @@ pub async fn list_models(
     Ok(ok(models))
 }
 
+/// The largest context window a catalog entry may have (16 Mi tokens).
+const MAX_WINDOW: i64 = 16_777_216;
+
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewModel {
+    /// `@{source}/{author}/{name}`.
+    #[schema(pattern = "^@[^/]+/[^/]+/.+$", max_length = 256)]
     name: String,
+    #[schema(pattern = "^(text-generation|text-embeddings)$")]
     task: String,
+    #[schema(minimum = 1, maximum = 16_777_216)]
     context_window: i64,
+    /// 0: no limit beyond the window; else at most the window.
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 16_777_216)]
     max_output_tokens: i64,
     #[serde(default)]
+    #[schema(max_length = 4096)]
     description: String,
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     properties: Option<serde_json::Value>,
 }
 
-#[utoipa::path(post, path = "/admin/v1/models", tag = "admin", request_body = NewModel, responses((status = 200, body = crate::openapi::Envelope<ModelRecord>), (status = 400, body = crate::openapi::ErrorEnvelope), (status = 409, body = crate::openapi::ErrorEnvelope)))]
+#[utoipa::path(post, path = "/admin/v1/models", tag = "admin", request_body = NewModel, responses((status = 200, body = crate::envelope::Envelope<ModelRecord>), crate::envelope::ManageErrors))]
 pub async fn create_model(
     State(s): State<SharedState>,
     headers: HeaderMap,
@@ -214,16 +231,29 @@ pub async fn create_model(
     let p = auth::admin(&s.store, &headers).await?;
     let req: NewModel = read_json(body).await?;
     if !req.name.starts_with('@') || req.name.split('/').count() < 3 {
-        return Err(ApiError::bad_input("model names look like @cf/author/name"));
+        return Err(ApiError::bad_field(
+            "name",
+            "model names look like @cf/author/name",
+        ));
     }
     if req.task != TASK_TEXT_GENERATION && req.task != TASK_TEXT_EMBEDDINGS {
-        return Err(ApiError::bad_input(format!(
-            "task must be {TASK_TEXT_GENERATION} or {TASK_TEXT_EMBEDDINGS}"
-        )));
+        return Err(ApiError::bad_field(
+            "task",
+            format!("must be {TASK_TEXT_GENERATION} or {TASK_TEXT_EMBEDDINGS}"),
+        ));
     }
-    if req.context_window < 1 || req.max_output_tokens < 0 {
-        return Err(ApiError::bad_input(
-            "context_window must be at least 1 and max_output_tokens not negative",
+    let window = within_range("context_window", req.context_window, 1..=MAX_WINDOW)?;
+    within_range("max_output_tokens", req.max_output_tokens, 0..=window)?;
+    if req.name.chars().count() > 256 {
+        return Err(ApiError::bad_field("name", "at most 256 characters"));
+    }
+    if req.properties.as_ref().is_some_and(|p| !p.is_object()) {
+        return Err(ApiError::bad_field("properties", "must be an object"));
+    }
+    if req.description.chars().count() > 4096 {
+        return Err(ApiError::bad_field(
+            "description",
+            "at most 4096 characters",
         ));
     }
     let record = ModelRecord {
@@ -251,7 +281,10 @@ pub async fn create_model(
             Some(&after),
         )
         .await?;
-    s.catalog.changed(&s.store, s.redis.as_ref()).await?;
+    s.inference
+        .catalog
+        .changed(&s.store, s.redis.as_ref())
+        .await?;
     Ok(ok(model_view(&s, &created)))
 }
 
@@ -263,7 +296,7 @@ pub struct ModelPatch {
     allow: Option<Vec<String>>,
 }
 
-#[utoipa::path(patch, path = "/admin/v1/models/{name}", tag = "admin", params(("name" = String, Path, description = "raw or %2F-encoded")), request_body = ModelPatch, responses((status = 200, body = crate::openapi::Envelope<ModelRecord>), (status = 409, description = "A serving node's pool is below window x safety factor", body = crate::openapi::ErrorEnvelope)))]
+#[utoipa::path(patch, path = "/admin/v1/models/{name}", tag = "admin", params(("name" = String, Path, description = "raw or %2F-encoded")), request_body = ModelPatch, responses((status = 200, body = crate::envelope::Envelope<ModelRecord>), crate::envelope::ManageErrors))]
 pub async fn update_model(
     State(s): State<SharedState>,
     Path(name): Path<String>,
@@ -278,11 +311,12 @@ pub async fn update_model(
         .await?
         .ok_or_else(|| ApiError::not_found(format!("no model {name}")))?;
     if let Some(allow) = &req.allow {
-        for t in allow {
+        for (i, t) in allow.iter().enumerate() {
+            // A reference to a tenant that does not exist, like a path naming one: 404.
             if s.store.get_tenant(t).await?.is_none() {
-                return Err(ApiError::bad_input(format!(
-                    "allow-list names unknown tenant {t}"
-                )));
+                let mut e = ApiError::not_found(format!("allow-list names unknown tenant {t}"));
+                e.param = Some(format!("allow[{i}]"));
+                return Err(e);
             }
         }
     }
@@ -309,22 +343,25 @@ pub async fn update_model(
         .audit(&actor(&p), "model.visibility", &name, Some(&b), Some(&a))
         .await?;
     // This replica applies it now; others within one catalog poll.
-    s.catalog.changed(&s.store, s.redis.as_ref()).await?;
+    s.inference
+        .catalog
+        .changed(&s.store, s.redis.as_ref())
+        .await?;
     Ok(ok(model_view(&s, &after)))
 }
 
-#[utoipa::path(get, path = "/admin/v1/nodes", tag = "admin", responses((status = 200, description = "Nodes, their pools and each model's fit", body = Object)))]
+#[utoipa::path(get, path = "/admin/v1/nodes", tag = "admin", responses((status = 200, description = "Nodes, their pools and each model's fit", body = Object), crate::envelope::ManageErrors))]
 pub async fn list_nodes(
     State(s): State<SharedState>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     auth::admin(&s.store, &headers).await?;
-    let catalog = s.catalog.all();
+    let catalog = s.inference.catalog.all();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
         .as_millis() as i64;
-    let embedded = bulkhead_runtime::server::node_state(&s.node);
+    let embedded = bulkhead_runtime::server::node_state(&s.inference.node);
     let mut nodes = vec![node_view(
         &s,
         &catalog,
@@ -334,7 +371,7 @@ pub async fn list_nodes(
         now,
         &embedded,
     )];
-    for n in s.nodes.all() {
+    for n in s.inference.nodes.all() {
         nodes.push(node_view(
             &s,
             &catalog,
@@ -362,18 +399,21 @@ fn node_view(
         .models
         .iter()
         .map(|m| {
-            let window = catalog
-                .iter()
-                .find(|c| c.name == m.name)
-                .map_or(m.context_window as i64, |c| c.context_window);
-            let required = bulkhead_runtime::admission::required_pool_tokens(
-                window.max(0) as usize,
-                s.safety_factor,
-            );
+            let record = catalog.iter().find(|c| c.name == m.name);
+            let window = record.map_or(m.context_window as i64, |c| c.context_window);
+            let fit = m.pool.map(|p| match record {
+                Some(r) => pool_fit(r, p.capacity_tokens, s.inference.safety_factor),
+                None => bulkhead_runtime::admission::PoolFit::new(
+                    &m.name,
+                    m.context_window,
+                    p.capacity_tokens,
+                    s.inference.safety_factor,
+                ),
+            });
             serde_json::json!({
                 "name": m.name, "task": m.task, "context_window": window,
-                "required_pool_tokens": m.pool.map(|_| required),
-                "fits": m.pool.is_none_or(|p| p.capacity_tokens >= required),
+                "required_pool_tokens": fit.as_ref().map(|f| f.required_tokens),
+                "fits": fit.as_ref().is_none_or(|f| f.check().is_ok()),
                 "pool": m.pool, "queue_depth": m.queue_depth, "running": m.running,
             })
         })
@@ -409,7 +449,7 @@ pub async fn node_heartbeat(
     }
     let mut added = false;
     for m in &hb.state.models {
-        if s.catalog.get(&m.name).is_some() {
+        if s.inference.catalog.get(&m.name).is_some() {
             continue;
         }
         let record = ModelRecord {
@@ -451,7 +491,7 @@ pub async fn node_heartbeat(
         }
     }
     let (id, address) = (hb.id.clone(), hb.address.clone());
-    if s.nodes.heartbeat(hb).await {
+    if s.inference.nodes.heartbeat(hb).await {
         tracing::info!(node = %id, %address, "node registered");
         let after = serde_json::json!({"id": id, "address": address});
         s.store
@@ -459,19 +499,28 @@ pub async fn node_heartbeat(
             .await?;
     }
     if added {
-        s.catalog.changed(&s.store, s.redis.as_ref()).await?;
+        s.inference
+            .catalog
+            .changed(&s.store, s.redis.as_ref())
+            .await?;
     }
     Ok(ok(serde_json::json!({"id": id})))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct AuditQuery {
+    /// Only entries about this model.
     model: Option<String>,
+    /// Only entries about this tenant.
     tenant: Option<String>,
+    /// Newest entries to return (default 100).
+    #[param(minimum = 1, maximum = 1000, default = 100)]
     limit: Option<i64>,
 }
 
-#[utoipa::path(get, path = "/admin/v1/audit", tag = "admin", params(AuditQuery), responses((status = 200, body = crate::openapi::Envelope<Vec<crate::store::AuditEntry>>)))]
+#[utoipa::path(get, path = "/admin/v1/audit", tag = "admin", params(AuditQuery), responses((status = 200, body = crate::envelope::Envelope<Vec<crate::store::AuditEntry>>), crate::envelope::ManageErrors))]
 pub async fn list_audit(
     State(s): State<SharedState>,
     Query(q): Query<AuditQuery>,
@@ -481,32 +530,32 @@ pub async fn list_audit(
     let f = AuditFilter {
         model: q.model,
         tenant: q.tenant,
-        limit: q.limit.unwrap_or(100).clamp(1, 1000),
+        limit: within_range("limit", q.limit.unwrap_or(100), 1..=1000)?,
     };
     Ok(ok(s.store.list_audit(&f).await?))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct UsageQuery {
     /// Only this tenant (account id).
     tenant: Option<String>,
     /// Only this model.
     model: Option<String>,
     /// The last `days` UTC days, today included (default 30, at most 366).
+    #[param(minimum = 1, maximum = 366, default = 30)]
     days: Option<i64>,
 }
 
-#[utoipa::path(get, path = "/admin/v1/usage", tag = "admin", params(UsageQuery), responses((status = 200, description = "Usage per tenant, model and UTC day (newest first), errors by code", body = crate::openapi::Envelope<Vec<crate::store::UsageRow>>)))]
+#[utoipa::path(get, path = "/admin/v1/usage", tag = "admin", params(UsageQuery), responses((status = 200, description = "Usage per tenant, model and UTC day (newest first), errors by code", body = crate::envelope::Envelope<Vec<crate::store::UsageRow>>), crate::envelope::ManageErrors))]
 pub async fn list_usage(
     State(s): State<SharedState>,
     Query(q): Query<UsageQuery>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     auth::admin(&s.store, &headers).await?;
-    let days = q.days.unwrap_or(30);
-    if !(1..=366).contains(&days) {
-        return Err(ApiError::bad_input("days must be between 1 and 366"));
-    }
+    let days = within_range("days", q.days.unwrap_or(30), 1..=366)?;
     let since = crate::store::utc_day(crate::store::now_ms() - (days - 1) * 86_400_000);
     let tenant = q.tenant.as_deref().filter(|t| !t.is_empty());
     let model = q.model.as_deref().filter(|m| !m.is_empty());

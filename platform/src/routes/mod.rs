@@ -1,6 +1,9 @@
-//! HTTP handlers, one module per API surface.
+//! HTTP handlers, one module per API surface: authentication, extraction, then the surface's
+//! adapter (`crate::api`) or the store. Every rejection, an extractor's included, answers in
+//! the surface's error shape (`extract`, and the router's fallbacks in `crate::app`).
 
 pub mod admin;
+pub mod extract;
 pub mod openai;
 pub mod workers;
 pub mod workers_ai;
@@ -8,8 +11,10 @@ pub mod workers_ai;
 use axum::body::Body;
 use serde::de::DeserializeOwned;
 
-use crate::app::MAX_BODY_BYTES;
 use crate::envelope::ApiError;
+
+/// Largest request body a tenant may send.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
 
 /// How much of an oversized body is read and dropped before answering 413, so that the
 /// client, still sending, reads the answer instead of a reset connection.
@@ -23,7 +28,7 @@ pub async fn read_body(body: Body) -> Result<bytes::Bytes, ApiError> {
     let mut seen = 0usize;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| ApiError::bad_input(format!("reading the body: {e}")))?;
-        seen += chunk.len();
+        seen = seen.saturating_add(chunk.len());
         if seen <= MAX_BODY_BYTES {
             buf.extend_from_slice(&chunk);
         } else if seen > DRAIN_LIMIT {
@@ -36,26 +41,8 @@ pub async fn read_body(body: Body) -> Result<bytes::Bytes, ApiError> {
     Ok(buf.freeze())
 }
 
-/// Read a JSON body within the size limit: 413/3006 over it, 400/5006 when malformed.
+/// Read a JSON body within the size limit: 413/3006 over it, 400 naming the field when it
+/// does not parse.
 pub async fn read_json<T: DeserializeOwned>(body: Body) -> Result<T, ApiError> {
-    let bytes = read_body(body).await?;
-    if bytes.is_empty() {
-        return Err(ApiError::new(
-            axum::http::StatusCode::BAD_REQUEST,
-            3003,
-            "bad_input",
-            "Request is missing headers or body",
-        ));
-    }
-    serde_json::from_slice(&bytes).map_err(ApiError::bad_input)
-}
-
-/// Random padding for streamed frames, so frame sizes do not reveal token lengths.
-pub fn padding() -> String {
-    use rand::Rng;
-    let mut rng = rand::rng();
-    let n = rng.random_range(0..=24);
-    (0..n)
-        .map(|_| rng.sample(rand::distr::Alphanumeric) as char)
-        .collect()
+    crate::api::parse_json(&read_body(body).await?)
 }

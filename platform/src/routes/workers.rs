@@ -3,15 +3,16 @@
 //! {name}.{account_id}.workers.localhost`). See `crate::workers` for the host.
 
 use axum::body::Body;
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, header};
 use axum::middleware::Next;
 use axum::response::Response;
 use futures::StreamExt;
 
-use crate::app::SharedState;
+use super::extract::{Path, Query};
 use crate::auth;
 use crate::envelope::{ApiError, ok};
+use crate::state::SharedState;
 use crate::store::{Principal, WorkerInfo};
 use crate::workers::{self, DeployStats, SettingsQuery, invoke};
 
@@ -49,6 +50,11 @@ async fn read_upload(body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
     Ok(buf)
 }
 
+/// A worker's WebAssembly component, as the upload's body (OpenAPI).
+#[derive(utoipa::ToSchema)]
+#[schema(value_type = String, format = Binary)]
+pub struct Component(pub Vec<u8>);
+
 /// What a deploy answers.
 #[derive(serde::Serialize, utoipa::ToSchema)]
 pub struct Deployed {
@@ -61,11 +67,9 @@ pub struct Deployed {
 }
 
 #[utoipa::path(put, path = "/client/v4/accounts/{account_id}/workers/scripts/{name}", tag = "workers",
-    params(("account_id" = String, Path), ("name" = String, Path, description = "1-63 of a-z, 0-9, '-'"), SettingsQuery),
-    request_body(content = Vec<u8>, content_type = "application/wasm", description = "The worker: a WebAssembly component exporting wasi:http/incoming-handler@0.2.x and importing at most WASI 0.2 and bulkhead:ai/ai@0.1.0"),
-    responses((status = 200, body = crate::openapi::Envelope<Deployed>),
-              (status = 400, description = "10021 not a valid worker component, 10022 bad name or settings, 10027 too large", body = crate::openapi::ErrorEnvelope),
-              (status = 401, body = crate::openapi::ErrorEnvelope), (status = 403, body = crate::openapi::ErrorEnvelope)))]
+    params(("account_id" = String, Path), ("name" = String, Path, description = "1-63 of a-z, 0-9, '-'", pattern = "^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"), SettingsQuery),
+    request_body(content = Component, content_type = "application/wasm", description = "The worker: a WebAssembly component exporting wasi:http/incoming-handler@0.2.x and importing at most WASI 0.2 and bulkhead:ai/ai@0.1.0"),
+    responses((status = 200, body = crate::envelope::Envelope<Deployed>), crate::envelope::ManageErrors))]
 /// `PUT .../workers/scripts/{name}`: upload (create or replace) a worker. The body is the
 /// component; settings come as query parameters. Compiled once here; audited.
 pub async fn put_script(
@@ -114,7 +118,7 @@ pub async fn put_script(
 
 #[utoipa::path(get, path = "/client/v4/accounts/{account_id}/workers/scripts", tag = "workers",
     params(("account_id" = String, Path)),
-    responses((status = 200, body = crate::openapi::Envelope<Vec<WorkerInfo>>), (status = 401, body = crate::openapi::ErrorEnvelope)))]
+    responses((status = 200, body = crate::envelope::Envelope<Vec<WorkerInfo>>), crate::envelope::ManageErrors))]
 /// `GET .../workers/scripts`: this account's workers.
 pub async fn list_scripts(
     State(state): State<SharedState>,
@@ -126,8 +130,8 @@ pub async fn list_scripts(
 }
 
 #[utoipa::path(get, path = "/client/v4/accounts/{account_id}/workers/scripts/{name}", tag = "workers",
-    params(("account_id" = String, Path), ("name" = String, Path)),
-    responses((status = 200, body = crate::openapi::Envelope<WorkerInfo>), (status = 404, description = "10007 no such worker", body = crate::openapi::ErrorEnvelope)))]
+    params(("account_id" = String, Path), ("name" = String, Path, pattern = "^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")),
+    responses((status = 200, body = crate::envelope::Envelope<WorkerInfo>), crate::envelope::ManageErrors))]
 /// `GET .../workers/scripts/{name}`: one worker's metadata.
 pub async fn get_script(
     State(state): State<SharedState>,
@@ -142,8 +146,8 @@ pub async fn get_script(
 }
 
 #[utoipa::path(delete, path = "/client/v4/accounts/{account_id}/workers/scripts/{name}", tag = "workers",
-    params(("account_id" = String, Path), ("name" = String, Path)),
-    responses((status = 200, body = crate::openapi::Envelope<WorkerInfo>), (status = 404, description = "10007 no such worker", body = crate::openapi::ErrorEnvelope)))]
+    params(("account_id" = String, Path), ("name" = String, Path, pattern = "^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")),
+    responses((status = 200, body = crate::envelope::Envelope<WorkerInfo>), crate::envelope::ManageErrors))]
 /// `DELETE .../workers/scripts/{name}`: remove a worker; audited.
 pub async fn delete_script(
     State(state): State<SharedState>,
@@ -183,7 +187,15 @@ pub async fn invoke_by_path(State(state): State<SharedState>, req: Request) -> R
         pq.push('?');
         pq.push_str(&q);
     }
-    invoke::invoke(&state, &account, &name, req, &pq).await
+    invoke::invoke(platform(&state), &account, &name, req, &pq).await
+}
+
+fn platform(state: &crate::state::AppState) -> invoke::Platform<'_> {
+    invoke::Platform {
+        host: &state.workers,
+        store: &state.store,
+        inference: &state.inference,
+    }
 }
 
 /// Routes a request whose `Host` is `{name}.{account_id}.workers.localhost` to that worker,
@@ -201,7 +213,7 @@ pub async fn route_by_host(State(state): State<SharedState>, req: Request, next:
                 .uri()
                 .path_and_query()
                 .map_or_else(|| "/".to_string(), |p| p.as_str().to_string());
-            invoke::invoke(&state, &account, &name, req, &pq).await
+            invoke::invoke(platform(&state), &account, &name, req, &pq).await
         }
         None => next.run(req).await,
     }

@@ -1,16 +1,17 @@
 //! The `bulkhead:ai/ai` binding: a worker's model calls, made as the tenant that owns the
-//! worker through the same [`run_model`] as the REST API (visibility, rate limits, input
-//! checks, admission, usage metering), with a bounded number of calls per request.
+//! worker through the same Workers AI adapter as the REST API ([`prepare`] and [`execute`]:
+//! visibility, validation, rate limits, admission, usage metering), with a bounded number
+//! of calls per request. The inputs are parsed once.
 
 use std::pin::Pin;
+use std::sync::Arc;
 
-use axum::body::Body;
 use futures::{Stream, StreamExt};
 use wasmtime::component::Resource;
 
-use crate::app::SharedState;
+use crate::api::workers_ai::{RunOutput, execute, prepare, sse_frames};
 use crate::envelope::ApiError;
-use crate::routes::workers_ai::{RunOutput, run_model, sse_frames};
+use crate::inference::Inference;
 
 mod bindings {
     wasmtime::component::bindgen!({
@@ -54,7 +55,9 @@ pub struct AiStream {
 
 /// Who the calls run as and how many are left.
 pub struct AiCtx {
-    pub state: SharedState,
+    pub inference: Arc<Inference>,
+    /// The worker host, for its metrics.
+    pub host: Arc<super::WorkerHost>,
     /// The tenant that owns the worker, never the caller.
     pub tenant: String,
     pub calls: u32,
@@ -106,20 +109,12 @@ fn check_options(options: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// The `stream` flag of a JSON inputs object (`false` when absent or not an object).
-fn wants_stream(inputs: &str) -> bool {
-    serde_json::from_str::<serde_json::Value>(inputs)
-        .ok()
-        .and_then(|v| v.get("stream").and_then(serde_json::Value::as_bool))
-        .unwrap_or(false)
-}
-
 impl AiCtx {
     fn count_call(&mut self) -> Result<(), ApiError> {
         self.calls += 1;
-        self.state.workers.metrics.ai_call();
+        self.host.metrics.ai_call();
         if self.calls > self.max_calls {
-            self.state.workers.metrics.ai_call_refused();
+            self.host.metrics.ai_call_refused();
             return Err(ApiError::new(
                 axum::http::StatusCode::TOO_MANY_REQUESTS,
                 TOO_MANY_AI_CALLS,
@@ -141,16 +136,16 @@ impl AiCtx {
     ) -> Result<String, ApiError> {
         self.count_call()?;
         check_options(options)?;
-        if wants_stream(&inputs) {
-            return Err(ApiError::bad_input(
+        let prepared = prepare(&self.inference, &self.tenant, model, inputs.as_bytes())?;
+        if prepared.streams() {
+            return Err(ApiError::bad_field(
+                "stream",
                 "stream: true needs run-stream (AI.run returns a ReadableStream then)",
             ));
         }
-        let (_, output, _) =
-            run_model(&self.state, &self.tenant, model, Body::from(inputs)).await?;
-        match output {
-            RunOutput::Json(v) => Ok(v.to_string()),
-            RunOutput::Stream(_) => Err(ApiError::internal("a stream was not asked for")),
+        match execute(&self.inference, &self.tenant, prepared).await? {
+            (RunOutput::Json(v), _) => Ok(v.to_string()),
+            (RunOutput::Stream(_), _) => Err(ApiError::internal("a stream was not asked for")),
         }
     }
 
@@ -162,26 +157,25 @@ impl AiCtx {
     ) -> Result<AiStream, ApiError> {
         self.count_call()?;
         check_options(options)?;
-        if !wants_stream(&inputs) {
-            return Err(ApiError::bad_input(
-                "run-stream needs stream: true in the inputs",
-            ));
+        let prepared = prepare(&self.inference, &self.tenant, model, inputs.as_bytes())?;
+        if !prepared.streams() {
+            let name = prepared.model().name.clone();
+            return Err(
+                if prepared.model().task == crate::inference::TASK_TEXT_GENERATION {
+                    ApiError::bad_field("stream", "run-stream needs stream: true in the inputs")
+                } else {
+                    ApiError::bad_input(format!("model {name} does not stream its output"))
+                },
+            );
         }
-        let (model, output, _) =
-            run_model(&self.state, &self.tenant, model, Body::from(inputs)).await?;
-        match output {
-            RunOutput::Stream(started) => {
-                let frames =
-                    sse_frames(self.state.clone(), self.tenant.clone(), model.name, started)
-                        .map(|f| f.to_bytes());
+        match execute(&self.inference, &self.tenant, prepared).await? {
+            (RunOutput::Stream(generation), _) => {
+                let frames = sse_frames(generation).map(|f| f.to_bytes());
                 Ok(AiStream {
                     frames: Box::pin(frames),
                 })
             }
-            RunOutput::Json(_) => Err(ApiError::bad_input(format!(
-                "model {} does not stream its output",
-                model.name
-            ))),
+            (RunOutput::Json(_), _) => Err(ApiError::internal("a stream was asked for")),
         }
     }
 }
@@ -245,13 +239,5 @@ mod tests {
             let e = check_options(bad).unwrap_err();
             assert_eq!((e.status.as_u16(), e.code), (400, 5006), "{bad}");
         }
-    }
-
-    #[test]
-    fn the_stream_flag_is_read_from_the_inputs() {
-        assert!(wants_stream(r#"{"prompt": "x", "stream": true}"#));
-        assert!(!wants_stream(r#"{"prompt": "x"}"#));
-        assert!(!wants_stream(r#"{"prompt": "x", "stream": false}"#));
-        assert!(!wants_stream("not json"));
     }
 }

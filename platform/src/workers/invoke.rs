@@ -45,8 +45,8 @@ use wasmtime_wasi_http::p2::body::HyperOutgoingBody;
 use super::ai::AiCtx;
 use super::sandbox::{Limit, WorkerState};
 use super::{WorkerHost, codes, not_found};
-use crate::app::SharedState;
 use crate::envelope::ApiError;
+use crate::inference::Inference;
 
 /// The suffix of worker host names: `{name}.{account_id}.workers.localhost`.
 pub const HOST_SUFFIX: &str = ".workers.localhost";
@@ -258,19 +258,31 @@ async fn read_limited(body: Body, limit: usize) -> Result<Bytes, ApiError> {
 
 /// Runs `tenant`'s worker `name` on `req`, whose path and query the worker sees as
 /// `path_and_query` under `http://{name}.{tenant}.workers.localhost`.
+/// What running a worker needs of the control plane.
+pub struct Platform<'a> {
+    pub host: &'a Arc<WorkerHost>,
+    pub store: &'a crate::store::Store,
+    /// The worker's `AI.run` calls go through it as the worker's owner.
+    pub inference: &'a Arc<Inference>,
+}
+
 pub async fn invoke(
-    state: &SharedState,
+    Platform {
+        host,
+        store,
+        inference,
+    }: Platform<'_>,
     tenant: &str,
     name: &str,
     req: Request,
     path_and_query: &str,
 ) -> Response {
     let arrived = Instant::now();
-    let host = state.workers.clone();
+    let host = host.clone();
     let Some(info) = host.info(tenant, name) else {
         return not_found(name).into_response();
     };
-    let loaded = match host.load(&state.store, &info).await {
+    let loaded = match host.load(store, &info).await {
         Ok(l) => l,
         Err(e) => return e.into_response(),
     };
@@ -304,7 +316,8 @@ pub async fn invoke(
 
     let settings = info.settings;
     let ai = AiCtx {
-        state: state.clone(),
+        inference: inference.clone(),
+        host: host.clone(),
         tenant: info.tenant_id.clone(),
         calls: 0,
         max_calls: settings.ai_calls.max(0) as u32,

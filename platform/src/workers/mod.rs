@@ -1,7 +1,7 @@
 //! The worker host: tenants' WebAssembly components (JS built with componentize-js, or any
 //! language) run on wasmtime, one fresh instance per request from a pre-instantiated
 //! template, with CPU-time, wall-clock, memory, AI-call and body-size limits. Their AI calls
-//! go through [`crate::routes::workers_ai::run_model`] as the tenant that owns the worker.
+//! go through the Workers AI adapter (`crate::api::workers_ai`) as the tenant that owns the worker.
 //!
 //! Components are validated and compiled once at deploy; the compiled code is serialised
 //! (wasmtime's precompiled format) into the database next to the component, and into a file
@@ -96,6 +96,7 @@ impl Default for WorkersConfig {
 /// The optional settings of a deploy (`?cpu_ms=&memory_mib=&wall_ms=&ai_calls=`).
 #[derive(Debug, Clone, Copy, Default, serde::Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct SettingsQuery {
     /// Guest CPU time per request in ms (default 50).
     pub cpu_ms: Option<i64>,

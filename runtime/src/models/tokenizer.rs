@@ -24,6 +24,7 @@ const CHATML_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + m
 
 /// A chat message as clients send it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,

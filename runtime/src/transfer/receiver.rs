@@ -258,6 +258,7 @@ async fn admit(engine: &Engine, hello: &Hello) -> Result<KvGuard, RuntimeError> 
         engine.model().context_window,
         pool.capacity_tokens(),
     )?;
+    // Cannot overflow: `check_generation` bounded the sum by the window.
     let need = hello.prompt.len() + hello.params.max_tokens;
     let deadline = tokio::time::Instant::now() + Duration::from_millis(engine.queue_timeout_ms());
     let reservation =

@@ -1,0 +1,494 @@
+//! The OpenAI surface: chat completions (streamed as `chat.completion.chunk`s, with
+//! `stream_options.include_usage`) and embeddings (float or base64), in OpenAI's shapes.
+//! Every field OpenAI's API takes is implemented here or refused by name; anything else is
+//! an unknown field, also refused.
+
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use bulkhead_runtime::engine::{FinishReason, PromptInput};
+use bulkhead_runtime::models::tokenizer::ChatMessage;
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::{ChatRole, OneOrMany, parse_json};
+use crate::envelope::ApiError;
+use crate::inference::{self, EmbedInput, Inference, Surface, TextEvent, TextInput};
+
+/// One stop sequence or up to 4, each of 1 to 64 characters.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<super::workers_ai::StopSequence>),
+}
+
+impl utoipa::PartialSchema for Stop {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        let one = json!({"type": "string", "minLength": 1, "maxLength": 64});
+        super::json_schema(json!({"oneOf": [one, {"type": "array", "items": one, "maxItems": 4}]}))
+    }
+}
+
+impl utoipa::ToSchema for Stop {}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    /// Send a last chunk with the usage and no choices.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// A content part: only text.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TextPart {
+    #[serde(rename = "type")]
+    #[allow(dead_code)]
+    pub kind: TextPartKind,
+    pub text: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TextPartKind {
+    Text,
+}
+
+/// A message's content: a string, or text parts (joined with newlines, as vLLM does).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<TextPart>),
+}
+
+impl utoipa::PartialSchema for Content {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        let part = json!({
+            "type": "object", "additionalProperties": false, "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+        });
+        super::json_schema(json!({"oneOf": [
+            {"type": "string"},
+            {"type": "array", "items": part, "minItems": 1},
+        ]}))
+    }
+}
+
+impl utoipa::ToSchema for Content {}
+
+impl Content {
+    fn into_text(self) -> String {
+        match self {
+            Content::Text(t) => t,
+            Content::Parts(parts) => parts
+                .into_iter()
+                .map(|p| p.text)
+                .collect::<Vec<_>>()
+                .join("\n"),
+        }
+    }
+}
+
+/// A chat turn as OpenAI takes it (no names, tool calls or refusals).
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct OpenAiMessage {
+    #[schema(inline)]
+    pub role: ChatRole,
+    #[schema(inline)]
+    pub content: Content,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChatRequest {
+    /// A text-generation model of the catalog.
+    #[schema(min_length = 1)]
+    pub model: String,
+    #[schema(min_items = 1, inline)]
+    pub messages: Vec<OpenAiMessage>,
+    /// Deprecated by OpenAI for `max_completion_tokens`; either is taken, not both.
+    #[schema(minimum = 1)]
+    pub max_tokens: Option<u64>,
+    #[schema(minimum = 1)]
+    pub max_completion_tokens: Option<u64>,
+    #[schema(minimum = 0, maximum = 2, default = 0.6)]
+    pub temperature: Option<f64>,
+    #[schema(exclusive_minimum = 0, maximum = 1)]
+    pub top_p: Option<f64>,
+    pub seed: Option<i64>,
+    #[schema(inline)]
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: bool,
+    #[schema(inline)]
+    pub stream_options: Option<StreamOptions>,
+    /// Only 1.
+    #[schema(minimum = 1, maximum = 1)]
+    pub n: Option<u64>,
+    #[schema(minimum = -2, maximum = 2)]
+    pub frequency_penalty: Option<f64>,
+    #[schema(minimum = -2, maximum = 2)]
+    pub presence_penalty: Option<f64>,
+    /// An end-user id; logged with the request.
+    #[schema(max_length = 256)]
+    pub user: Option<String>,
+    /// Only `false`: log probabilities are not returned.
+    #[schema(value_type = Option<bool>)]
+    pub logprobs: Option<bool>,
+    /// Refused until structured outputs and tools exist: named, never ignored.
+    #[schema(ignore)]
+    pub response_format: Option<Value>,
+    #[schema(ignore)]
+    pub tools: Option<Value>,
+    #[schema(ignore)]
+    pub tool_choice: Option<Value>,
+    #[schema(ignore)]
+    pub parallel_tool_calls: Option<Value>,
+    #[schema(ignore)]
+    pub functions: Option<Value>,
+    #[schema(ignore)]
+    pub function_call: Option<Value>,
+    #[schema(ignore)]
+    pub top_logprobs: Option<Value>,
+    #[schema(ignore)]
+    pub logit_bias: Option<Value>,
+}
+
+/// `POST /v1/embeddings`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EmbeddingsRequest {
+    /// An embeddings model of the catalog.
+    #[schema(min_length = 1)]
+    pub model: String,
+    #[schema(inline)]
+    pub input: OneOrMany,
+    /// `float` (default) or `base64` (little-endian f32s).
+    #[schema(value_type = Option<String>, pattern = "^(float|base64)$")]
+    pub encoding_format: Option<String>,
+    /// Refused: the bundled encoders have a fixed size.
+    #[schema(ignore)]
+    pub dimensions: Option<u64>,
+    #[schema(max_length = 256)]
+    pub user: Option<String>,
+}
+
+fn now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
+}
+
+fn finish(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+/// OpenAI's `user`: recorded in the request's log line, as its purpose (abuse tracing) asks.
+fn log_user(user: Option<&str>) -> Result<(), ApiError> {
+    if let Some(u) = user {
+        if u.chars().count() > 256 {
+            return Err(ApiError::bad_field("user", "at most 256 characters"));
+        }
+        tracing::info!(user = %u, "request for an end user");
+    }
+    Ok(())
+}
+
+impl ChatRequest {
+    fn into_input(self) -> Result<TextInput, ApiError> {
+        if self.logprobs == Some(true) || self.top_logprobs.is_some() {
+            return Err(ApiError::bad_field(
+                if self.logprobs == Some(true) {
+                    "logprobs"
+                } else {
+                    "top_logprobs"
+                },
+                "log probabilities are not supported",
+            ));
+        }
+        if self.logit_bias.is_some() {
+            return Err(ApiError::bad_field("logit_bias", "is not supported"));
+        }
+        let (max_tokens, max_tokens_field) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(_), Some(_)) => {
+                return Err(ApiError::bad_field(
+                    "max_tokens",
+                    "give max_completion_tokens or max_tokens, not both",
+                ));
+            }
+            (Some(n), None) => (Some(n), "max_completion_tokens"),
+            (None, n) => (n, "max_tokens"),
+        };
+        if self.stream_options.is_some() && !self.stream {
+            return Err(ApiError::bad_field(
+                "stream_options",
+                "applies only with stream: true",
+            ));
+        }
+        // Tool calls without tools: a choice of none is the only one that means anything.
+        let tools = self
+            .tools
+            .or(self.functions)
+            .or(self.tool_choice.filter(|c| c != "none"))
+            .or(self.function_call.filter(|c| c != "none"))
+            .or(self.parallel_tool_calls);
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.into_iter().enumerate() {
+            if matches!(&m.content, Content::Parts(parts) if parts.is_empty()) {
+                return Err(ApiError::bad_field(
+                    &format!("messages[{i}].content"),
+                    "a list of parts needs at least one",
+                ));
+            }
+            messages.push(ChatMessage {
+                role: m.role.as_str().into(),
+                content: m.content.into_text(),
+            });
+        }
+        Ok(TextInput {
+            max_tokens,
+            max_tokens_field,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            seed: self.seed,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            stop: match self.stop {
+                None => vec![],
+                Some(Stop::One(s)) => vec![s],
+                Some(Stop::Many(v)) => v.into_iter().map(|s| s.0).collect(),
+            },
+            n: self.n,
+            // `{"type": "text"}` is the default format: asking for it asks for nothing else.
+            response_format: self
+                .response_format
+                .filter(|f| f != &json!({"type": "text"})),
+            tools,
+            ..TextInput::new(Surface::OpenAi, PromptInput::Messages(messages))
+        })
+    }
+}
+
+/// A chat completion as `tenant`, from the request body to the response (JSON or SSE).
+pub async fn chat(inference: &Inference, tenant: &str, body: &[u8]) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse_json(body)?;
+    let model = inference.resolve_model(tenant, &req.model)?;
+    log_user(req.user.as_deref()).inspect_err(|e| inference.refused(tenant, &model, e))?;
+    let stream = req.stream;
+    let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let input = req
+        .into_input()
+        .inspect_err(|e| inference.refused(tenant, &model, e))?;
+    let valid = inference.check_text(tenant, &model, input)?;
+    let mut generation = inference.generate(tenant, &model, valid).await?;
+    let limit_headers = std::mem::take(&mut generation.limit_headers);
+    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+    let created = now_s();
+    let mut resp = if stream {
+        let model_name = model.name.clone();
+        let chunk = move |delta: Value, finish: Option<&str>| {
+            json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}],
+            })
+        };
+        let first = chunk(json!({"role": "assistant", "content": ""}), None).to_string();
+        let events = generation.flat_map(move |ev| {
+            let out: Vec<Event> = match ev {
+                TextEvent::Text(text) => {
+                    vec![Event::default().data(chunk(json!({"content": text}), None).to_string())]
+                }
+                TextEvent::Done {
+                    usage,
+                    finish_reason,
+                } => {
+                    let last = chunk(json!({}), Some(finish(finish_reason)));
+                    let mut out = vec![Event::default().data(last.to_string())];
+                    if include_usage {
+                        let mut u = chunk(json!({}), None);
+                        u["choices"] = json!([]);
+                        u["usage"] = serde_json::to_value(usage).unwrap_or_default();
+                        out.push(Event::default().data(u.to_string()));
+                    }
+                    out.push(Event::default().data("[DONE]"));
+                    out
+                }
+                TextEvent::Failed(err) => vec![Event::default().event("error").data(
+                    json!({"error": {"message": err.message, "type": "server_error", "param": null, "code": err.kind}})
+                        .to_string(),
+                )],
+            };
+            futures::stream::iter(out)
+        });
+        let all = futures::stream::once(async move { Event::default().data(first) })
+            .chain(events)
+            .map(Ok::<_, std::convert::Infallible>);
+        Sse::new(all).into_response()
+    } else {
+        let done = generation.collect().await?;
+        axum::Json(json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
+                         "finish_reason": finish(done.finish_reason), "logprobs": null}],
+            "usage": done.usage,
+        }))
+        .into_response()
+    };
+    resp.headers_mut().extend(limit_headers);
+    Ok(resp)
+}
+
+/// Embeddings as `tenant`, from the request body to the list.
+pub async fn embeddings(
+    inference: &Inference,
+    tenant: &str,
+    body: &[u8],
+) -> Result<Response, ApiError> {
+    let req: EmbeddingsRequest = parse_json(body)?;
+    let model = inference.resolve_model(tenant, &req.model)?;
+    log_user(req.user.as_deref()).inspect_err(|e| inference.refused(tenant, &model, e))?;
+    let base64 = match req.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            let e = ApiError::bad_field(
+                "encoding_format",
+                format!("{other:?} is not supported (float or base64)"),
+            );
+            inference.refused(tenant, &model, &e);
+            return Err(e);
+        }
+    };
+    let valid = inference.check_embed(
+        tenant,
+        &model,
+        EmbedInput {
+            texts: req.input.into_vec(),
+            texts_field: "input",
+            pooling: None,
+            dimensions: req.dimensions,
+        },
+    )?;
+    let embedded = inference.embed(tenant, &model, valid).await?;
+    let items: Vec<Value> = embedded
+        .data
+        .iter()
+        .enumerate()
+        .map(|(index, v)| {
+            let embedding = if base64 {
+                // OpenAI's base64 form: little-endian f32 bytes.
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                Value::String(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                inference::embedding_json(v)
+            };
+            json!({"object": "embedding", "index": index, "embedding": embedding})
+        })
+        .collect();
+    let tokens = embedded.tokens;
+    let headers: HeaderMap = embedded.headers();
+    let mut resp = axum::Json(json!({
+        "object": "list", "data": items, "model": model.name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }))
+    .into_response();
+    resp.headers_mut().extend(headers);
+    Ok(resp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input(body: Value) -> Result<TextInput, ApiError> {
+        parse_json::<ChatRequest>(body.to_string().as_bytes())?.into_input()
+    }
+
+    fn base() -> Value {
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    }
+
+    fn with(field: &str, v: Value) -> Value {
+        let mut b = base();
+        b[field] = v;
+        b
+    }
+
+    #[test]
+    fn fields_are_taken_or_refused_by_name() {
+        for (body, field) in [
+            (
+                with(
+                    "tools",
+                    json!([{"type": "function", "function": {"name": "f"}}]),
+                ),
+                "tools",
+            ),
+            (with("tool_choice", json!("required")), "tools"),
+            (
+                with("response_format", json!({"type": "json_object"})),
+                "response_format",
+            ),
+            (with("logprobs", json!(true)), "logprobs"),
+            (with("top_logprobs", json!(2)), "top_logprobs"),
+            (with("logit_bias", json!({"1": 2})), "logit_bias"),
+            (with("dimensions", json!(8)), "dimensions"),
+            (with("max_tokens", json!(1.5)), "max_tokens"),
+            (with("max_tokens", json!("8")), "max_tokens"),
+            (with("max_tokens", json!(-1)), "max_tokens"),
+            (
+                with("stream_options", json!({"include_usage": true})),
+                "stream_options",
+            ),
+            (with("n", json!(u64::MAX as f64)), "n"),
+        ] {
+            let e = input(body.clone()).and_then(|i| {
+                let m = crate::store::ModelRecord {
+                    name: "m".into(),
+                    task: inference::TASK_TEXT_GENERATION.into(),
+                    description: String::new(),
+                    context_window: 512,
+                    max_output_tokens: 64,
+                    visibility: crate::store::Visibility::Public,
+                    visibility_reason: None,
+                    allow: vec![],
+                    properties: json!({}),
+                    created_at: 0,
+                    updated_at: 0,
+                };
+                inference::validate_text(&m, i).map(|_| unreachable!("{body} was accepted"))
+            });
+            let e = e.unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{body}: {e:?}");
+        }
+        // The defaults a client may spell out are what they are.
+        let i = input(with("response_format", json!({"type": "text"}))).unwrap();
+        assert!(i.response_format.is_none());
+        let i = input(with("tool_choice", json!("none"))).unwrap();
+        assert!(i.tools.is_none());
+        let i = input(with("max_completion_tokens", json!(9))).unwrap();
+        assert_eq!(
+            (i.max_tokens, i.max_tokens_field),
+            (Some(9), "max_completion_tokens")
+        );
+        let parts = json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]);
+        let mut body = base();
+        body["messages"][0]["content"] = parts;
+        let i = input(body).unwrap();
+        let PromptInput::Messages(m) = i.prompt else {
+            panic!()
+        };
+        assert_eq!(m[0].content, "a\nb");
+    }
+}

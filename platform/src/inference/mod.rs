@@ -1,0 +1,116 @@
+//! The inference layer: from a request any API surface has parsed to a model's output.
+//!
+//! Every surface (the Workers AI REST API, the OpenAI API, workers' `AI.run`) hands its
+//! request over in the same surface-neutral form ([`TextInput`], [`EmbedInput`]); this layer
+//! applies the visibility rule, validates the request once against the catalog entry
+//! ([`validate`]), counts it against the tenant's rate limit, routes it to a node whose pool
+//! fits the model ([`route`]) and meters its usage ([`Generation`], [`Embedded`]). A surface
+//! only parses its wire format and formats the answer.
+//!
+//! Below this layer: the catalog, limits, node registry and usage meter; nothing here
+//! knows of HTTP routes or of the application state.
+
+mod embed;
+mod generation;
+pub mod route;
+pub mod validate;
+
+use std::sync::Arc;
+
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use bulkhead_runtime::node::Node;
+
+pub use embed::{Embedded, embedding_json};
+pub use generation::{Completion, Generation, TextEvent};
+pub use validate::{
+    EmbedInput, Surface, TextInput, ValidEmbedRequest, ValidTextRequest, validate_embed,
+    validate_text,
+};
+
+use crate::catalog::Catalog;
+use crate::envelope::ApiError;
+use crate::limits::{RateLimiter, Task};
+use crate::nodes::Registry;
+use crate::store::ModelRecord;
+use crate::usage_meter::UsageMeter;
+
+pub const TASK_TEXT_GENERATION: &str = "text-generation";
+pub const TASK_TEXT_EMBEDDINGS: &str = "text-embeddings";
+
+/// What running a model needs: the catalog, the embedded node, the remote nodes, the rate
+/// limiter and the usage meter.
+pub struct Inference {
+    pub catalog: Arc<Catalog>,
+    /// The embedded inference node (the single-machine default).
+    pub node: Arc<Node>,
+    /// Remote nodes, kept by their heartbeats (shared across replicas through Redis).
+    pub nodes: Arc<Registry>,
+    pub limits: RateLimiter,
+    /// Usage counted in memory, written to the store in batches.
+    pub usage: Arc<UsageMeter>,
+    /// Pool tokens a serving node needs per token of a model's context window.
+    pub safety_factor: f64,
+}
+
+impl Inference {
+    /// The model `name` as `tenant` may see it, or the same 400 as a model that does not exist.
+    pub fn resolve_model(&self, tenant: &str, name: &str) -> Result<ModelRecord, ApiError> {
+        self.catalog
+            .visible_to(name, tenant)
+            .ok_or_else(|| ApiError::no_such_model(name))
+    }
+
+    /// Count the request against the tenant's limit; 429 with `retry-after` when over it.
+    /// Returns the `x-ratelimit-*` headers to put on the response.
+    async fn rate_limit(&self, tenant: &str, task: Task) -> Result<HeaderMap, ApiError> {
+        let d = self.limits.check(tenant, task).await;
+        let mut h = HeaderMap::new();
+        h.insert("x-ratelimit-limit", HeaderValue::from(d.limit));
+        h.insert("x-ratelimit-remaining", HeaderValue::from(d.remaining));
+        h.insert("x-ratelimit-reset", HeaderValue::from(d.reset_s));
+        if d.allowed {
+            return Ok(h);
+        }
+        let mut e = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            3021,
+            "rate_limited",
+            "rate limiting: inference request per min rate reached",
+        )
+        .with_header(header::RETRY_AFTER, HeaderValue::from(d.reset_s));
+        e.headers
+            .extend(h.into_iter().filter_map(|(k, v)| Some((k?, v))));
+        Err(e)
+    }
+
+    /// [`validate_text`] for `tenant`; a refusal is counted in usage by its code, as every
+    /// request that reaches a model is.
+    pub fn check_text(
+        &self,
+        tenant: &str,
+        model: &ModelRecord,
+        input: TextInput,
+    ) -> Result<ValidTextRequest, ApiError> {
+        validate_text(model, input).inspect_err(|e| self.refused(tenant, model, e))
+    }
+
+    /// [`validate_embed`] for `tenant`, counted like [`Self::check_text`].
+    pub fn check_embed(
+        &self,
+        tenant: &str,
+        model: &ModelRecord,
+        input: EmbedInput,
+    ) -> Result<ValidEmbedRequest, ApiError> {
+        validate_embed(model, input).inspect_err(|e| self.refused(tenant, model, e))
+    }
+
+    /// Count a request to `model` refused before it ran (its input did not parse or check).
+    pub fn refused(&self, tenant: &str, model: &ModelRecord, e: &ApiError) {
+        self.meter(tenant, &model.name, 0, 0, Some(e.kind));
+    }
+
+    /// Count one request's usage; written to the store in the next batch (`usage_meter`).
+    pub fn meter(&self, tenant: &str, model: &str, input: i64, output: i64, error: Option<&str>) {
+        self.usage.record(tenant, model, input, output, error);
+    }
+}

@@ -1,0 +1,683 @@
+//! One validation of every request, whatever surface it came through (the shape of TGI's
+//! `Validation::validate`): a [`TextInput`] or [`EmbedInput`] and the catalog entry in, a
+//! [`ValidTextRequest`] or [`ValidEmbedRequest`] out, or a 400 that names the field.
+//!
+//! Every catalog limit applies here (the task, `max_output_tokens`, the window); every number
+//! is range-checked before any arithmetic; nothing is clamped or dropped silently. Fields that
+//! are not implemented yet are refused here, by name, so no surface can accept one.
+
+use bulkhead_runtime::engine::PromptInput;
+use bulkhead_runtime::models::tokenizer::ChatMessage;
+use bulkhead_runtime::sampling::SamplingParams;
+
+use super::{TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
+use crate::envelope::ApiError;
+use crate::store::ModelRecord;
+
+/// The API a request came in through. Its documented ranges and defaults differ a little
+/// (OpenAI's temperature goes to 2 and its seed is any 64-bit integer, Workers AI's to 5 and
+/// 1..9999999999); everything else is the same rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Surface {
+    WorkersAi,
+    OpenAi,
+}
+
+/// Completion tokens when a request does not say (Workers AI's documented default), or the
+/// model's own limit when that is lower.
+pub const DEFAULT_MAX_TOKENS: u64 = 256;
+/// Sampling temperature when a request does not say (Workers AI's default).
+pub const DEFAULT_TEMPERATURE: f64 = 0.6;
+/// Texts in one embedding request (the encoder's batch limit).
+pub const MAX_EMBED_TEXTS: usize = 100;
+/// Stop sequences in one request, and the characters of each.
+pub const MAX_STOP: usize = 4;
+pub const MAX_STOP_CHARS: usize = 64;
+
+/// A text generation as a surface parsed it, before any check. Field names are the
+/// surface's own (`max_tokens_field`), so an error names what the client sent.
+#[derive(Debug, Clone)]
+pub struct TextInput {
+    pub surface: Surface,
+    pub prompt: PromptInput,
+    pub max_tokens: Option<u64>,
+    /// `max_tokens`, or OpenAI's `max_completion_tokens` when that was the one sent.
+    pub max_tokens_field: &'static str,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<u64>,
+    pub seed: Option<i64>,
+    pub repetition_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    /// Completions asked for (OpenAI's `n`).
+    pub n: Option<u64>,
+    /// Structured output and tools: refused until constrained decoding exists.
+    pub response_format: Option<serde_json::Value>,
+    pub tools: Option<serde_json::Value>,
+}
+
+impl TextInput {
+    /// An input with only its prompt set, every other field as if the client left it out.
+    pub fn new(surface: Surface, prompt: PromptInput) -> TextInput {
+        TextInput {
+            surface,
+            prompt,
+            max_tokens: None,
+            max_tokens_field: "max_tokens",
+            temperature: None,
+            top_p: None,
+            top_k: None,
+            seed: None,
+            repetition_penalty: None,
+            frequency_penalty: None,
+            presence_penalty: None,
+            stop: Vec::new(),
+            ignore_eos: false,
+            n: None,
+            response_format: None,
+            tools: None,
+        }
+    }
+}
+
+/// A text generation that passed every check: what the runtime runs.
+#[derive(Debug, Clone)]
+pub struct ValidTextRequest {
+    input: PromptInput,
+    params: SamplingParams,
+}
+
+impl ValidTextRequest {
+    pub fn input(&self) -> &PromptInput {
+        &self.input
+    }
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+}
+
+/// Texts to embed as a surface parsed them.
+#[derive(Debug, Clone)]
+pub struct EmbedInput {
+    pub texts: Vec<String>,
+    /// The surface's name for them: `text` (Workers AI) or `input` (OpenAI).
+    pub texts_field: &'static str,
+    /// Workers AI's `pooling`.
+    pub pooling: Option<String>,
+    /// OpenAI's `dimensions`.
+    pub dimensions: Option<u64>,
+}
+
+/// An embedding request that passed every check.
+#[derive(Debug, Clone)]
+pub struct ValidEmbedRequest {
+    texts: Vec<String>,
+}
+
+impl ValidEmbedRequest {
+    pub fn texts(&self) -> &[String] {
+        &self.texts
+    }
+    pub fn into_texts(self) -> Vec<String> {
+        self.texts
+    }
+}
+
+/// `value` within `range`, or a 400 naming `field` and the range. Every number from a client
+/// passes through here (or a type that bounds it) before any arithmetic.
+pub fn within_range<T: PartialOrd + std::fmt::Display + Copy>(
+    field: &str,
+    value: T,
+    range: std::ops::RangeInclusive<T>,
+) -> Result<T, ApiError> {
+    if range.contains(&value) {
+        Ok(value)
+    } else {
+        Err(ApiError::bad_field(
+            field,
+            format!("{value} is outside {}..={}", range.start(), range.end()),
+        ))
+    }
+}
+
+/// The longest completion `model` allows: its catalog `max_output_tokens`, else its window.
+pub fn max_output_tokens(model: &ModelRecord) -> u64 {
+    let window = model.context_window.max(1) as u64;
+    match model.max_output_tokens {
+        n if n > 0 => (n as u64).min(window),
+        _ => window,
+    }
+}
+
+/// Check a text generation against `model`'s catalog entry.
+pub fn validate_text(model: &ModelRecord, input: TextInput) -> Result<ValidTextRequest, ApiError> {
+    if model.task != TASK_TEXT_GENERATION {
+        return Err(ApiError::bad_field(
+            "model",
+            format!(
+                "{} is a {} model, not a text-generation one",
+                model.name, model.task
+            ),
+        ));
+    }
+    check_prompt(&input.prompt)?;
+    if let Some(n) = input.n {
+        within_range("n", n, 1..=1)?;
+    }
+    if input.response_format.is_some() {
+        return Err(ApiError::bad_field(
+            "response_format",
+            "structured outputs are not supported yet",
+        ));
+    }
+    if input.tools.is_some() {
+        return Err(ApiError::bad_field(
+            "tools",
+            "function calling is not supported yet",
+        ));
+    }
+    let limit = max_output_tokens(model);
+    let max_tokens = match input.max_tokens {
+        None => DEFAULT_MAX_TOKENS.min(limit),
+        Some(n) => within_range(input.max_tokens_field, n, 1..=limit).map_err(|mut e| {
+            e.message
+                .push_str(&format!(" (the limit of {})", model.name));
+            e
+        })?,
+    };
+    let (max_temperature, seeds) = match input.surface {
+        Surface::WorkersAi => (5.0, 1..=9_999_999_999),
+        Surface::OpenAi => (2.0, i64::MIN..=i64::MAX),
+    };
+    let temperature = within_range(
+        "temperature",
+        input.temperature.unwrap_or(DEFAULT_TEMPERATURE),
+        0.0..=max_temperature,
+    )?;
+    let top_p = input
+        .top_p
+        .map(|p| within_range("top_p", p, 0.0..=1.0))
+        .transpose()?;
+    if top_p == Some(0.0) {
+        return Err(ApiError::bad_field("top_p", "must be above 0"));
+    }
+    // A positive p too small for an f32 keeps only the likeliest token, as any tiny p does.
+    let top_p = top_p.map(|p| (p as f32).max(f32::MIN_POSITIVE));
+    let top_k = input
+        .top_k
+        .map(|k| within_range("top_k", k, 1..=50))
+        .transpose()?;
+    let seed = input
+        .seed
+        .map(|s| within_range("seed", s, seeds.clone()))
+        .transpose()?;
+    // Workers AI documents 0..2, where 0 (like 1) means no penalty.
+    let repetition_penalty = input
+        .repetition_penalty
+        .map(|r| within_range("repetition_penalty", r, 0.0..=2.0))
+        .transpose()?
+        .filter(|&r| r > 0.0);
+    let frequency_penalty = within_range(
+        "frequency_penalty",
+        input.frequency_penalty.unwrap_or(0.0),
+        -2.0..=2.0,
+    )?;
+    let presence_penalty = within_range(
+        "presence_penalty",
+        input.presence_penalty.unwrap_or(0.0),
+        -2.0..=2.0,
+    )?;
+    if input.stop.len() > MAX_STOP {
+        return Err(ApiError::bad_field(
+            "stop",
+            format!("at most {MAX_STOP} sequences"),
+        ));
+    }
+    if let Some(s) = input
+        .stop
+        .iter()
+        .find(|s| s.is_empty() || s.chars().count() > MAX_STOP_CHARS)
+    {
+        return Err(ApiError::bad_field(
+            "stop",
+            format!(
+                "each sequence needs 1 to {MAX_STOP_CHARS} characters ({} given)",
+                s.chars().count()
+            ),
+        ));
+    }
+    let params = SamplingParams {
+        temperature: temperature as f32,
+        top_p,
+        // Within 1..=50 and `limit`, both far below `usize::MAX`.
+        top_k: top_k.map(|k| k as usize),
+        // Any 64-bit pattern is a seed; negative OpenAI seeds keep their bits.
+        seed: seed.map(|s| s as u64),
+        repetition_penalty: repetition_penalty.map(|r| r as f32),
+        frequency_penalty: frequency_penalty as f32,
+        presence_penalty: presence_penalty as f32,
+        max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX),
+        max_tokens_is_default: input.max_tokens.is_none(),
+        stop: input.stop,
+        ignore_eos: input.ignore_eos,
+    };
+    // The runtime's own checks, so that nothing it would refuse reaches it.
+    params.validate()?;
+    Ok(ValidTextRequest {
+        input: input.prompt,
+        params,
+    })
+}
+
+fn check_prompt(prompt: &PromptInput) -> Result<(), ApiError> {
+    match prompt {
+        PromptInput::Text { prompt, .. } if prompt.is_empty() => Err(ApiError::bad_field(
+            "prompt",
+            "must have at least 1 character",
+        )),
+        PromptInput::Text { .. } => Ok(()),
+        PromptInput::Messages(messages) => {
+            if messages.is_empty() {
+                return Err(ApiError::bad_field("messages", "must not be empty"));
+            }
+            if let Some((i, m)) = messages.iter().enumerate().find(|(_, m)| !known_role(m)) {
+                return Err(ApiError::bad_field(
+                    &format!("messages[{i}].role"),
+                    format!(
+                        "unknown role {:?} (system, user, assistant or tool)",
+                        m.role
+                    ),
+                ));
+            }
+            Ok(())
+        }
+    }
+}
+
+fn known_role(m: &ChatMessage) -> bool {
+    matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool")
+}
+
+/// Check an embedding request against `model`'s catalog entry.
+pub fn validate_embed(
+    model: &ModelRecord,
+    input: EmbedInput,
+) -> Result<ValidEmbedRequest, ApiError> {
+    if model.task != TASK_TEXT_EMBEDDINGS {
+        return Err(ApiError::bad_field(
+            "model",
+            format!(
+                "{} is a {} model, not an embeddings one",
+                model.name, model.task
+            ),
+        ));
+    }
+    let field = input.texts_field;
+    if input.texts.is_empty() || input.texts.len() > MAX_EMBED_TEXTS {
+        return Err(ApiError::bad_field(
+            field,
+            format!(
+                "takes 1 to {MAX_EMBED_TEXTS} texts ({} given)",
+                input.texts.len()
+            ),
+        ));
+    }
+    if let Some(i) = input.texts.iter().position(String::is_empty) {
+        return Err(ApiError::bad_field(
+            &format!("{field}[{i}]"),
+            "must have at least 1 character",
+        ));
+    }
+    if let Some(p) = input.pooling.as_deref()
+        && p != "mean"
+    {
+        return Err(ApiError::bad_field(
+            "pooling",
+            format!("{p:?} is not supported; this model pools by \"mean\""),
+        ));
+    }
+    if input.dimensions.is_some() {
+        return Err(ApiError::bad_field(
+            "dimensions",
+            format!(
+                "{} does not support choosing the number of dimensions",
+                model.name
+            ),
+        ));
+    }
+    Ok(ValidEmbedRequest { texts: input.texts })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Visibility;
+
+    fn model(task: &str, window: i64, max_out: i64) -> ModelRecord {
+        ModelRecord {
+            name: "@cf/test/m".into(),
+            task: task.into(),
+            description: String::new(),
+            context_window: window,
+            max_output_tokens: max_out,
+            visibility: Visibility::Public,
+            visibility_reason: None,
+            allow: vec![],
+            properties: serde_json::json!({}),
+            created_at: 0,
+            updated_at: 0,
+        }
+    }
+
+    fn text(surface: Surface) -> TextInput {
+        TextInput::new(
+            surface,
+            PromptInput::Text {
+                prompt: "hi".into(),
+                raw: false,
+            },
+        )
+    }
+
+    fn refused(r: Result<ValidTextRequest, ApiError>, field: &str) {
+        let e = r.unwrap_err();
+        assert_eq!((e.status.as_u16(), e.code), (400, 5006), "{e:?}");
+        assert_eq!(e.param.as_deref(), Some(field), "{e:?}");
+        assert!(e.message.contains(field), "{e:?}");
+    }
+
+    #[test]
+    fn max_tokens_is_bounded_by_the_catalog_on_every_surface() {
+        let m = model(TASK_TEXT_GENERATION, 8192, 2048);
+        for surface in [Surface::WorkersAi, Surface::OpenAi] {
+            for n in [0, 2049, u64::MAX] {
+                refused(
+                    validate_text(
+                        &m,
+                        TextInput {
+                            max_tokens: Some(n),
+                            ..text(surface)
+                        },
+                    ),
+                    "max_tokens",
+                );
+            }
+            let ok = validate_text(
+                &m,
+                TextInput {
+                    max_tokens: Some(2048),
+                    ..text(surface)
+                },
+            )
+            .unwrap();
+            assert_eq!(ok.params().max_tokens, 2048);
+        }
+        // The default never exceeds a lower limit; without one the window bounds it.
+        let small = model(TASK_TEXT_GENERATION, 8192, 16);
+        let v = validate_text(&small, text(Surface::OpenAi)).unwrap();
+        assert_eq!(v.params().max_tokens, 16);
+        let unlimited = model(TASK_TEXT_GENERATION, 100, 0);
+        refused(
+            validate_text(
+                &unlimited,
+                TextInput {
+                    max_tokens: Some(101),
+                    ..text(Surface::WorkersAi)
+                },
+            ),
+            "max_tokens",
+        );
+        let e = validate_text(
+            &m,
+            TextInput {
+                max_tokens: Some(5000),
+                max_tokens_field: "max_completion_tokens",
+                ..text(Surface::OpenAi)
+            },
+        );
+        refused(e, "max_completion_tokens");
+    }
+
+    #[test]
+    fn each_range_names_its_field() {
+        let m = model(TASK_TEXT_GENERATION, 8192, 2048);
+        let cases: Vec<(TextInput, &str)> = vec![
+            (
+                TextInput {
+                    temperature: Some(5.1),
+                    ..text(Surface::WorkersAi)
+                },
+                "temperature",
+            ),
+            (
+                TextInput {
+                    temperature: Some(2.1),
+                    ..text(Surface::OpenAi)
+                },
+                "temperature",
+            ),
+            (
+                TextInput {
+                    temperature: Some(-0.1),
+                    ..text(Surface::OpenAi)
+                },
+                "temperature",
+            ),
+            (
+                TextInput {
+                    top_p: Some(0.0),
+                    ..text(Surface::OpenAi)
+                },
+                "top_p",
+            ),
+            (
+                TextInput {
+                    top_p: Some(1.5),
+                    ..text(Surface::OpenAi)
+                },
+                "top_p",
+            ),
+            (
+                TextInput {
+                    top_k: Some(0),
+                    ..text(Surface::WorkersAi)
+                },
+                "top_k",
+            ),
+            (
+                TextInput {
+                    top_k: Some(u64::MAX),
+                    ..text(Surface::WorkersAi)
+                },
+                "top_k",
+            ),
+            (
+                TextInput {
+                    seed: Some(0),
+                    ..text(Surface::WorkersAi)
+                },
+                "seed",
+            ),
+            (
+                TextInput {
+                    seed: Some(10_000_000_000),
+                    ..text(Surface::WorkersAi)
+                },
+                "seed",
+            ),
+            (
+                TextInput {
+                    repetition_penalty: Some(2.5),
+                    ..text(Surface::WorkersAi)
+                },
+                "repetition_penalty",
+            ),
+            (
+                TextInput {
+                    frequency_penalty: Some(-2.5),
+                    ..text(Surface::OpenAi)
+                },
+                "frequency_penalty",
+            ),
+            (
+                TextInput {
+                    presence_penalty: Some(9.0),
+                    ..text(Surface::OpenAi)
+                },
+                "presence_penalty",
+            ),
+            (
+                TextInput {
+                    n: Some(2),
+                    ..text(Surface::OpenAi)
+                },
+                "n",
+            ),
+            (
+                TextInput {
+                    n: Some(0),
+                    ..text(Surface::OpenAi)
+                },
+                "n",
+            ),
+            (
+                TextInput {
+                    stop: vec!["a".into(); 5],
+                    ..text(Surface::OpenAi)
+                },
+                "stop",
+            ),
+            (
+                TextInput {
+                    stop: vec![String::new()],
+                    ..text(Surface::OpenAi)
+                },
+                "stop",
+            ),
+            (
+                TextInput {
+                    response_format: Some(serde_json::json!({"type": "json_object"})),
+                    ..text(Surface::OpenAi)
+                },
+                "response_format",
+            ),
+            (
+                TextInput {
+                    tools: Some(serde_json::json!([])),
+                    ..text(Surface::WorkersAi)
+                },
+                "tools",
+            ),
+            (
+                TextInput::new(Surface::OpenAi, PromptInput::Messages(vec![])),
+                "messages",
+            ),
+            (
+                TextInput::new(
+                    Surface::OpenAi,
+                    PromptInput::Messages(vec![ChatMessage {
+                        role: "robot".into(),
+                        content: "x".into(),
+                    }]),
+                ),
+                "messages[0].role",
+            ),
+            (
+                TextInput::new(
+                    Surface::WorkersAi,
+                    PromptInput::Text {
+                        prompt: String::new(),
+                        raw: false,
+                    },
+                ),
+                "prompt",
+            ),
+        ];
+        for (input, field) in cases {
+            refused(validate_text(&m, input), field);
+        }
+        // OpenAI seeds may be any 64-bit integer.
+        let v = validate_text(
+            &m,
+            TextInput {
+                seed: Some(-1),
+                ..text(Surface::OpenAi)
+            },
+        )
+        .unwrap();
+        assert_eq!(v.params().seed, Some(u64::MAX));
+        // A repetition penalty of 0 means none.
+        let v = validate_text(
+            &m,
+            TextInput {
+                repetition_penalty: Some(0.0),
+                ..text(Surface::WorkersAi)
+            },
+        )
+        .unwrap();
+        assert_eq!(v.params().repetition_penalty, None);
+    }
+
+    #[test]
+    fn the_task_must_match_the_model() {
+        let embed = model(TASK_TEXT_EMBEDDINGS, 512, 0);
+        refused(validate_text(&embed, text(Surface::OpenAi)), "model");
+        let gen_model = model(TASK_TEXT_GENERATION, 512, 64);
+        let e = validate_embed(
+            &gen_model,
+            EmbedInput {
+                texts: vec!["a".into()],
+                texts_field: "input",
+                pooling: None,
+                dimensions: None,
+            },
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("model"));
+    }
+
+    #[test]
+    fn embedding_inputs_are_checked() {
+        let m = model(TASK_TEXT_EMBEDDINGS, 512, 0);
+        let input = |texts: Vec<String>| EmbedInput {
+            texts,
+            texts_field: "text",
+            pooling: None,
+            dimensions: None,
+        };
+        for (bad, field) in [
+            (input(vec![]), "text"),
+            (input(vec!["a".into(); 101]), "text"),
+            (input(vec!["a".into(), String::new()]), "text[1]"),
+            (
+                EmbedInput {
+                    pooling: Some("cls".into()),
+                    ..input(vec!["a".into()])
+                },
+                "pooling",
+            ),
+            (
+                EmbedInput {
+                    dimensions: Some(8),
+                    ..input(vec!["a".into()])
+                },
+                "dimensions",
+            ),
+        ] {
+            let e = validate_embed(&m, bad).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{e:?}");
+        }
+        let ok = validate_embed(
+            &m,
+            EmbedInput {
+                pooling: Some("mean".into()),
+                ..input(vec!["a".into()])
+            },
+        )
+        .unwrap();
+        assert_eq!(ok.texts(), ["a"]);
+    }
+}
