@@ -13,7 +13,7 @@ fi
 # targets, like test.sh, so the dependencies keep one feature set and are built only once.
 cargo build --quiet --workspace --all-targets
 export BULKHEAD_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/bulkhead"
-"$venv/bin/python" -m pytest -q e2e/sdk e2e/incident e2e/workers
+"$venv/bin/python" -m pytest -q e2e/sdk e2e/incident e2e/workers e2e/api
 
 npm_ci() { # DIR: install its locked packages when they are missing or older than the lock
   if [ ! "$1/node_modules/.package-lock.json" -nt "$1/package-lock.json" ]; then
