@@ -27,16 +27,15 @@ def _call(base, method, path, token, body=None):
         return json.loads(r.read())
 
 
-@pytest.fixture(scope="session")
-def server():
+def start_server(config_toml, prefix="bulkhead-e2e-"):
+    """Start `bulkhead serve` with `config_toml` on a free port (SQLite in a temp dir), wait
+    for /health; returns (process, base url, data dir)."""
     binary = os.environ["BULKHEAD_BIN"]
     port = _free_port()
-    data = tempfile.mkdtemp(prefix="bulkhead-e2e-")
+    data = tempfile.mkdtemp(prefix=prefix)
     config = os.path.join(data, "serve.toml")
     with open(config, "w") as f:
-        # A small served window keeps the KV pool small (512 x 2.0 tokens).
-        f.write('[[node.text_models]]\nname = "@cf/huggingfacetb/smollm2-135m-instruct"\ncontext_window = 512\n'
-                '[[node.embedding_models]]\nname = "@cf/sentence-transformers/all-minilm-l6-v2"\n')
+        f.write(config_toml)
     env = dict(os.environ, BULKHEAD_ADMIN_TOKEN=ADMIN, BULKHEAD_DATA=data,
                BULKHEAD_LISTEN=f"127.0.0.1:{port}")
     log = open(os.path.join(data, "serve.log"), "w")
@@ -46,18 +45,48 @@ def server():
     while True:
         try:
             urllib.request.urlopen(base + "/health", timeout=2)
-            break
+            return proc, base, data
         except Exception:
             if proc.poll() is not None or time.time() > deadline:
                 proc.kill()
                 raise RuntimeError("bulkhead serve did not come up: " + open(log.name).read()[-2000:])
             time.sleep(0.3)
-    tenant = _call(base, "POST", "/admin/v1/tenants", ADMIN, {"name": "sdk-tests"})["result"]
-    token = _call(base, "POST", f"/admin/v1/tenants/{tenant['id']}/tokens", ADMIN, {"name": "sdk"})["result"]
-    yield {"base": base, "account": tenant["id"], "token": token["token"], "admin": ADMIN,
-           "call": lambda m, p, b=None: _call(base, m, p, ADMIN, b)}
+
+
+def stop_server(proc):
     proc.terminate()
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def new_tenant(base, name):
+    """A tenant and a token for it: (account id, token)."""
+    tenant = _call(base, "POST", "/admin/v1/tenants", ADMIN, {"name": name})["result"]
+    token = _call(base, "POST", f"/admin/v1/tenants/{tenant['id']}/tokens", ADMIN, {"name": name})["result"]
+    return tenant["id"], token["token"]
+
+
+@pytest.fixture(scope="session")
+def server():
+    # A small served window keeps the KV pool small (512 x 2.0 tokens).
+    proc, base, _ = start_server(
+        '[[node.text_models]]\nname = "@cf/huggingfacetb/smollm2-135m-instruct"\ncontext_window = 512\n'
+        '[[node.embedding_models]]\nname = "@cf/sentence-transformers/all-minilm-l6-v2"\n')
+    account, token = new_tenant(base, "sdk-tests")
+    yield {"base": base, "account": account, "token": token, "admin": ADMIN,
+           "call": lambda m, p, b=None: _call(base, m, p, ADMIN, b)}
+    stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def worker_wasm():
+    """e2e/workers/worker.js built into a component by `bulkhead worker build`."""
+    out = os.path.join(tempfile.mkdtemp(prefix="bulkhead-worker-"), "worker.wasm")
+    src = os.path.join(os.path.dirname(__file__), "workers", "worker.js")
+    subprocess.run([os.environ["BULKHEAD_BIN"], "worker", "build", src, "-o", out], check=True)
+    with open(out, "rb") as f:
+        wasm = f.read()
+    assert wasm[:8] == b"\0asm\x0d\x00\x01\x00", "a component"
+    return {"bytes": wasm, "path": out}

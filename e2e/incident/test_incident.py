@@ -23,6 +23,9 @@ import httpx
 import pytest
 
 ADMIN = "incident-admin-token"
+# What the nodes' APIs accept (the control plane learns it from their heartbeats; the test
+# presents it to read node metrics).
+NODE_API = "e2e-incident-node-api-token-0123456789"
 MODEL = "@cf/huggingfacetb/smollm2-135m-instruct"
 WINDOW = 512
 PREFILL_POOL = 1024  # = WINDOW x the default safety factor 2.0
@@ -57,11 +60,17 @@ class Cluster:
         self.binary = os.environ["BULKHEAD_BIN"]
         self.dir = tempfile.mkdtemp(prefix="bulkhead-incident-")
         self.procs = []
+        # The cluster's KV transfer key, as an operator makes it; every node gets the file.
+        key = subprocess.run([self.binary, "transfer-key"], capture_output=True, text=True,
+                             check=True, timeout=60).stdout
+        self.key_file = self.write("transfer.key", key)
+        os.chmod(self.key_file, 0o600)
 
     def spawn(self, name, args, env=None):
         log = os.path.join(self.dir, f"{name}.log")
         proc = subprocess.Popen([self.binary, *args], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                env=dict(os.environ, RUST_LOG="warn", **(env or {})))
+                                env=dict(os.environ, RUST_LOG="warn",
+                                         BULKHEAD_TRANSFER_KEY_FILE=self.key_file, **(env or {})))
         self.procs.append(proc)
         return proc, log
 
@@ -81,6 +90,14 @@ class Cluster:
                 p.kill()
 
 
+def node_env(c, node_id):
+    """A node's credentials: a node token minted for its id (never the admin token) and the
+    token its own API accepts."""
+    r = c.admin.post(f"/admin/v1/nodes/{node_id}/tokens", json={"name": "e2e"})
+    assert r.status_code == 200, r.text
+    return {"BULKHEAD_NODE_TOKEN": r.json()["result"]["token"], "BULKHEAD_NODE_API_TOKEN": NODE_API}
+
+
 @pytest.fixture(scope="module")
 def cluster():
     c = Cluster()
@@ -92,6 +109,7 @@ def cluster():
                         env={"BULKHEAD_ADMIN_TOKEN": ADMIN, "BULKHEAD_DATA": c.dir,
                              "BULKHEAD_LISTEN": f"127.0.0.1:{cp_port}"})
     wait_http(c.cp + "/health", proc, log)
+    c.admin = httpx.Client(base_url=c.cp, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
     transfer = f"127.0.0.1:{free_port()}"
     dport, pport = free_port(), free_port()
     c.decode, c.prefill = f"http://127.0.0.1:{dport}", f"http://127.0.0.1:{pport}"
@@ -99,14 +117,13 @@ def cluster():
     proc, log = c.spawn("decode", ["node", "--role", "decode", "--listen", f"127.0.0.1:{dport}",
                                    "--pool-tokens", "8192", "--transfer-listen", transfer,
                                    "--node-id", "decode-1", *common],
-                        env={"BULKHEAD_NODE_TOKEN": ADMIN})
+                        env=node_env(c, "decode-1"))
     wait_http(c.decode + "/health", proc, log)
     proc, log = c.spawn("prefill", ["node", "--role", "prefill", "--listen", f"127.0.0.1:{pport}",
                                     "--pool-tokens", str(PREFILL_POOL), "--decode-peer", transfer,
                                     "--node-id", "prefill-1", *common],
-                        env={"BULKHEAD_NODE_TOKEN": ADMIN})
+                        env=node_env(c, "prefill-1"))
     wait_http(c.prefill + "/health", proc, log)
-    c.admin = httpx.Client(base_url=c.cp, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
     deadline = time.time() + 30
     while True:
         nodes = c.admin.get("/admin/v1/nodes").json()["result"]
@@ -138,7 +155,10 @@ def run(c, t, body, tries=6):
 
 
 def pool(url):
-    state = httpx.get(url + "/v1/state", timeout=10).json()
+    state = httpx.get(url + "/v1/state", headers={"Authorization": f"Bearer {NODE_API}"},
+                      timeout=10)
+    assert state.status_code == 200, state.text
+    state = state.json()
     m = next(m for m in state["models"] if m["name"] == MODEL)
     return m
 
@@ -156,7 +176,8 @@ def wait_pool_full(url):
 
 
 def metric(url, name):
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {NODE_API}"},
+                     timeout=10).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
@@ -278,7 +299,7 @@ def test_the_incident_deployment_is_refused_everywhere(cluster):
                                           f'[[text_models]]\nname = "{name}"\ncontext_window = 256\n')
     proc, log = c.spawn("small-prefill", ["node", "--config", node_cfg, "--listen", f"127.0.0.1:{port}",
                                           "--control-plane", c.cp, "--node-id", "small-prefill"],
-                        env={"BULKHEAD_NODE_TOKEN": ADMIN})
+                        env=node_env(c, "small-prefill"))
     wait_http(f"http://127.0.0.1:{port}/health", proc, log)
     deadline = time.time() + 30
     while not any(n["id"] == "small-prefill" and n.get("healthy")

@@ -37,6 +37,14 @@ def test_chat_completion_streaming_with_usage(client):
     assert usage is not None and usage.completion_tokens > 0
 
 
+def test_models_list_and_retrieve(client):
+    ids = [m.id for m in client.models.list()]
+    assert TEXT in ids and EMBED in ids
+    assert client.models.retrieve(TEXT).id == TEXT
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("@cf/no/such-model")
+
+
 def test_embeddings(client):
     # The SDK asks for base64 by default and decodes it.
     r = client.embeddings.create(model=EMBED, input=["a cat", "a dog"])

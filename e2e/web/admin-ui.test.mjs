@@ -4,7 +4,7 @@
 // hold (the publish-gate scenario). Nothing of the platform is mocked. Screenshots go to e2e/artifacts/web/.
 
 import assert from "node:assert/strict";
-import { spawn } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
 import fs from "node:fs";
 import net from "node:net";
 import os from "node:os";
@@ -223,6 +223,51 @@ describe("admin UI in headless Chromium", () => {
       cookie: document.cookie,
     }));
     assert.deepEqual(stored, { session: ADMIN, local: 0, cookie: "" });
+  });
+
+  it("keeps the signed-in token and the admin origin out of a hostile tenant worker's reach", async () => {
+    // The tenant deploys a worker whose page attacks the operator (hostile-worker.js).
+    const wasm = path.join(data, "hostile.wasm");
+    execFileSync(BIN, ["worker", "build", path.join(here, "hostile-worker.js"), "-o", wasm], {
+      stdio: "inherit",
+    });
+    const put = await fetch(`${base}/client/v4/accounts/${acct}/workers/scripts/hostile`, {
+      method: "PUT",
+      headers: { Authorization: `Bearer ${tenantToken}`, "Content-Type": "application/wasm" },
+      body: fs.readFileSync(wasm),
+    });
+    assert.equal(put.status, 200, await put.text());
+    // It is served on its own origin only, never under the admin UI's.
+    const byPath = await fetch(`${base}/workers/${acct}/hostile/`);
+    assert.equal(byPath.status, 404);
+    const workerOrigin = `http://hostile.${acct}.workers.localhost:${port}`;
+
+    // The operator is signed in (previous test) when they open the tenant's page.
+    const hostile = await page.context().newPage();
+    await hostile.goto(`${workerOrigin}/?admin=${encodeURIComponent(base)}`);
+    await hostile.click("#go");
+    await hostile.waitForFunction(() => window.__results !== undefined, null, { timeout: 15_000 });
+    const out = await hostile.evaluate(() => window.__results);
+    // Its service worker registers, confined to its own origin ...
+    assert.equal(out.sw, `${workerOrigin}/`, JSON.stringify(out));
+    // ... the admin window it opened is severed from it (COOP), the frame is refused
+    // (frame-ancestors 'none'), and neither yields the token; the admin API does not answer
+    // its script.
+    assert.equal(out.openedHandleClosed, true, JSON.stringify(out));
+    assert.ok(!String(out.openedToken).includes(ADMIN), JSON.stringify(out));
+    assert.ok(String(out.framedToken).startsWith("blocked"), JSON.stringify(out));
+    assert.notEqual(out.api, 200, JSON.stringify(out));
+    for (const p of page.context().pages()) if (p !== page) await p.close();
+
+    // No service worker sits in front of the admin UI: its calls still reach the server.
+    await page.reload();
+    await page.getByRole("heading", { name: "Model catalog" }).waitFor();
+    const sw = await page.evaluate(async () => ({
+      registrations: (await navigator.serviceWorker.getRegistrations()).length,
+      controlled: navigator.serviceWorker.controller !== null,
+      session: sessionStorage.getItem("bulkhead.adminToken") !== null,
+    }));
+    assert.deepEqual(sw, { registrations: 0, controlled: false, session: true });
   });
 
   it("takes a model private with a reason; the tenant gets 400; the audit log shows it", async () => {

@@ -3,8 +3,6 @@ deployed through the workers API, called over HTTP; its env.AI.run calls reach t
 SmolLM2 and MiniLM models as the tenant that owns it."""
 import json
 import os
-import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -25,33 +23,29 @@ def _request(url, method="GET", data=None, headers=None, token=None):
 
 
 @pytest.fixture(scope="session")
-def worker_wasm():
-    out = os.path.join(tempfile.mkdtemp(prefix="bulkhead-worker-"), "worker.wasm")
-    src = os.path.join(os.path.dirname(__file__), "worker.js")
-    subprocess.run([os.environ["BULKHEAD_BIN"], "worker", "build", src, "-o", out], check=True)
-    with open(out, "rb") as f:
-        wasm = f.read()
-    assert wasm[:8] == b"\0asm\x0d\x00\x01\x00", "a component"
-    return wasm
-
-
-@pytest.fixture(scope="session")
 def worker(server, worker_wasm):
     tenant = server["call"]("POST", "/admin/v1/tenants", {"name": "workers-e2e"})["result"]
     token = server["call"]("POST", f"/admin/v1/tenants/{tenant['id']}/tokens", {"name": "w"})["result"]["token"]
     acct = tenant["id"]
     status, body, _ = _request(
         f"{server['base']}/client/v4/accounts/{acct}/workers/scripts/e2e?cpu_ms=200",
-        "PUT", worker_wasm, {"Content-Type": "application/wasm"}, token)
+        "PUT", worker_wasm["bytes"], {"Content-Type": "application/wasm"}, token)
     assert status == 200, body
     deployed = json.loads(body)["result"]
     assert deployed["name"] == "e2e" and deployed["cpu_ms"] == 200
-    base = f"{server['base']}/workers/{acct}/e2e"
-    return {"base": base, "account": acct, "token": token, "server": server}
+    # A worker is its own origin, never a path of the control plane's.
+    return {"host": f"e2e.{acct}.workers.localhost", "account": acct, "token": token,
+            "server": server}
+
+
+def _to_worker(worker, path, method="GET", data=None, headers=None):
+    """A request to the deployed worker, by its host name."""
+    return _request(worker["server"]["base"] + path, method, data,
+                    {"Host": worker["host"], **(headers or {})})
 
 
 def test_text_generation_through_env_ai_run(worker):
-    status, body, _ = _request(worker["base"] + "/text")
+    status, body, _ = _to_worker(worker, "/text")
     assert status == 200, body
     out = json.loads(body)
     assert "Paris" in out["response"], out
@@ -59,7 +53,7 @@ def test_text_generation_through_env_ai_run(worker):
 
 
 def test_embeddings_through_env_ai_run(worker):
-    status, body, _ = _request(worker["base"] + "/embed")
+    status, body, _ = _to_worker(worker, "/embed")
     assert status == 200, body
     out = json.loads(body)
     assert out["shape"] == [2, 384]
@@ -77,7 +71,7 @@ def test_embeddings_through_env_ai_run(worker):
 
 
 def test_streaming_returns_sse_frames_ending_in_done(worker):
-    status, body, headers = _request(worker["base"] + "/stream")
+    status, body, headers = _to_worker(worker, "/stream")
     assert status == 200, body
     assert headers["content-type"].startswith("text/event-stream")
     frames = [f for f in body.decode().split("\n\n") if f]
@@ -89,7 +83,7 @@ def test_streaming_returns_sse_frames_ending_in_done(worker):
 
 
 def test_an_oversized_prompt_is_5021_inside_js(worker):
-    status, body, _ = _request(worker["base"] + "/oversized")
+    status, body, _ = _to_worker(worker, "/oversized")
     assert status == 422, body
     out = json.loads(body)
     assert out["caught"].startswith("5021: "), out
@@ -97,21 +91,21 @@ def test_an_oversized_prompt_is_5021_inside_js(worker):
 
 
 def test_raw_responses_and_checked_options(worker):
-    status, body, _ = _request(worker["base"] + "/raw")
+    status, body, _ = _to_worker(worker, "/raw")
     assert status == 400, body
     env = json.loads(body)
     assert env["success"] is False and env["errors"][0]["code"] == 5007
-    status, body, _ = _request(worker["base"] + "/bad-option")
+    status, body, _ = _to_worker(worker, "/bad-option")
     assert status == 400
     assert body.decode().startswith("5006: ") and "gateway" in body.decode()
 
 
 def test_no_ambient_access(worker):
-    status, body, _ = _request(worker["base"] + "/ambient")
+    status, body, _ = _to_worker(worker, "/ambient")
     assert status == 200, body
     assert json.loads(body) == {"env": ["AI"], "process": "undefined", "fs": "unavailable"}
     # Outgoing HTTP is denied, even to the control plane on loopback.
-    status, body, _ = _request(worker["base"] + "/fetch",
+    status, body, _ = _to_worker(worker, "/fetch",
                                headers={"x-target": worker["server"]["base"] + "/health"})
     assert status == 403, body
     assert body.decode().startswith("denied"), body
@@ -119,13 +113,13 @@ def test_no_ambient_access(worker):
 
 def test_an_uncaught_exception_is_500_1101_and_counted(worker):
     def exceptions():
-        _, m, _ = _request(worker["server"]["base"] + "/metrics")
+        _, m, _ = _request(worker["server"]["base"] + "/metrics", token=worker["server"]["admin"])
         for line in m.decode().splitlines():
             if line.startswith('bulkhead_worker_requests_total{outcome="exception"}'):
                 return float(line.split()[-1])
         return 0.0
     before = exceptions()
-    status, body, _ = _request(worker["base"] + "/throw")
+    status, body, _ = _to_worker(worker, "/throw")
     assert status == 500, body
     assert json.loads(body)["errors"][0]["code"] == 1101
     # Counted once the guest is done, just after the answer: wait for it, bounded.
@@ -133,19 +127,22 @@ def test_an_uncaught_exception_is_500_1101_and_counted(worker):
     while exceptions() < before + 1 and time.time() < deadline:
         time.sleep(0.05)
     assert exceptions() == before + 1
-    status, body, _ = _request(worker["base"] + "/echo")
+    status, body, _ = _to_worker(worker, "/echo")
     assert (status, body) == (200, b"ok")
 
 
 def test_an_answer_that_is_not_a_response_is_500_1101(worker):
-    status, body, _ = _request(worker["base"] + "/not-a-response")
+    status, body, _ = _to_worker(worker, "/not-a-response")
     assert status == 500, body
     assert json.loads(body)["errors"][0]["code"] == 1101
-    status, body, _ = _request(worker["base"] + "/echo")
+    status, body, _ = _to_worker(worker, "/echo")
     assert (status, body) == (200, b"ok")
 
 
-def test_host_name_routing(worker):
-    host = f"e2e.{worker['account']}.workers.localhost"
-    status, body, _ = _request(worker["server"]["base"] + "/echo", headers={"Host": host})
+def test_workers_are_served_only_on_their_own_host_names(worker):
+    status, body, _ = _to_worker(worker, "/echo")
     assert (status, body) == (200, b"ok")
+    # The control plane's origin (the admin UI's) serves no worker under any path.
+    status, body, _ = _request(f"{worker['server']['base']}/workers/{worker['account']}/e2e/echo")
+    assert status == 404, body
+    assert json.loads(body)["errors"][0]["code"] == 7000

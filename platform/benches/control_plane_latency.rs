@@ -105,6 +105,7 @@ fn pct(v: &[Duration], p: f64) -> f64 {
 async fn setup(name: &str, cfg: ServeConfig) -> (Arc<Target>, Arc<Target>) {
     let (state, _) = bulkhead_platform::serve::build(&cfg).await.expect("server");
     let node = state.inference.node.clone();
+    let node_token = node.api_token.secret().to_string();
     let cp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let cp_addr = cp.local_addr().unwrap();
     tokio::spawn(bulkhead_platform::serve::run(
@@ -144,7 +145,8 @@ async fn setup(name: &str, cfg: ServeConfig) -> (Arc<Target>, Arc<Target>) {
     let direct = Arc::new(Target {
         url: format!("http://{node_addr}/v1/embed"),
         body: json!({"model": MINILM_NAME, "tenant": tenant.id, "texts": ["hello world"]}),
-        token: None,
+        // The node API's own token, as the control plane presents it to a remote node.
+        token: Some(node_token),
     });
     (via_cp, direct)
 }

@@ -96,8 +96,13 @@ fn main() {
             .await
             .unwrap()
             .token;
-        let http = reqwest::Client::new();
         let acct = tenant.id.clone();
+        // The worker is its own origin: its host name resolves to this control plane.
+        let worker_host = format!("bench.{acct}.workers.localhost");
+        let http = reqwest::Client::builder()
+            .resolve(&worker_host, addr)
+            .build()
+            .unwrap();
 
         println!("component: {:.1} MB", wasm.len() as f64 / 1e6);
         let start = Instant::now();
@@ -143,7 +148,7 @@ fn main() {
         );
         // The first request after a restart: load + instantiate + run.
         state.workers.unload_all();
-        let worker = format!("http://{addr}/workers/{acct}/bench");
+        let worker = format!("http://{worker_host}:{}", addr.port());
         let first = timed(&http, http.get(format!("{worker}/echo"))).await;
         println!("first request after an unload (file load + instance + run): {first:.1} ms");
 

@@ -6,7 +6,7 @@ use axum::Router;
 use axum::extract::Request;
 use axum::http::{HeaderValue, Method, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{any, delete, get, patch, post, put};
+use axum::routing::{delete, get, patch, post, put};
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
@@ -27,13 +27,6 @@ pub fn router(state: SharedState) -> Router {
                 .get(workers::get_script)
                 .delete(workers::delete_script),
         )
-        .route("/workers/{account_id}/{name}", any(workers::invoke_by_path))
-        // `{*rest}` does not match an empty rest: the worker's root with a trailing slash.
-        .route("/workers/{account_id}/{name}/", any(workers::invoke_by_path))
-        .route(
-            "/workers/{account_id}/{name}/{*rest}",
-            any(workers::invoke_by_path),
-        )
         .route(&format!("{account}/run/{{*model}}"), post(workers_ai::run))
         .route(
             &format!("{account}/models/search"),
@@ -52,6 +45,16 @@ pub fn router(state: SharedState) -> Router {
             &format!("{account}/v1/embeddings"),
             post(openai::embeddings_for_account),
         )
+        .route(
+            &format!("{account}/v1/models"),
+            get(openai::list_models_for_account),
+        )
+        .route(
+            &format!("{account}/v1/models/{{*model}}"),
+            get(openai::get_model_for_account),
+        )
+        .route("/v1/models", get(openai::list_models))
+        .route("/v1/models/{*model}", get(openai::get_model))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/embeddings", post(openai::embeddings))
         .route(
@@ -69,6 +72,10 @@ pub fn router(state: SharedState) -> Router {
         )
         .route("/admin/v1/models/{*name}", patch(admin::update_model))
         .route("/admin/v1/nodes", get(admin::list_nodes))
+        .route(
+            "/admin/v1/nodes/{id}/tokens",
+            post(admin::create_node_token).get(admin::list_node_tokens),
+        )
         .route("/admin/v1/audit", get(admin::list_audit))
         .route("/admin/v1/usage", get(admin::list_usage))
         .route("/internal/v1/nodes/heartbeat", post(admin::node_heartbeat))
@@ -87,7 +94,9 @@ pub fn router(state: SharedState) -> Router {
             let path = req.uri().path();
             shaped(path, ApiError::method_not_allowed(&method, path))
         })
-        // `Host: {name}.{account_id}.workers.localhost` goes to that worker, any path.
+        // `Host: {name}.{account_id}.workers.localhost` goes to that worker, any path. Workers
+        // are served only there, never under this origin's paths: a tenant's page must not
+        // share the admin UI's origin (its sessionStorage, its service-worker scope).
         .layer(axum::middleware::from_fn_with_state(
             state,
             workers::route_by_host,
@@ -138,8 +147,14 @@ fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
 
 static REQUEST_ID: axum::http::HeaderName = axum::http::HeaderName::from_static("x-request-id");
 
-async fn metrics(axum::extract::State(state): axum::extract::State<SharedState>) -> String {
+/// `GET /metrics`, for the operator's scraper: its labels name every model, private ones
+/// included, and every tenant's worker outcomes, so it needs the admin token.
+async fn metrics(
+    axum::extract::State(state): axum::extract::State<SharedState>,
+    headers: axum::http::HeaderMap,
+) -> Result<String, ApiError> {
+    crate::auth::admin(&state.store, &headers).await?;
     let node = state.inference.node.metrics.encode();
     let node = node.strip_suffix("# EOF\n").unwrap_or(&node);
-    format!("{node}{}# EOF\n", state.workers.metrics.encode())
+    Ok(format!("{node}{}# EOF\n", state.workers.metrics.encode()))
 }

@@ -1,5 +1,6 @@
 //! Bearer-token authentication. Tokens are stored hashed (see `store`); a token belongs to
-//! one tenant, and tenant and admin scopes are separate.
+//! one tenant, to the operators (admin) or to one inference node, and the scopes are separate:
+//! a token of one scope is refused by every route of another.
 
 use axum::http::HeaderMap;
 
@@ -35,7 +36,9 @@ pub async fn tenant_for_account(
 ) -> Result<Principal, ApiError> {
     let p = authenticate(store, headers).await?;
     if p.scope != Scope::Tenant {
-        return Err(ApiError::forbidden("admin tokens cannot call tenant APIs"));
+        return Err(ApiError::forbidden(
+            "only tenant tokens can call tenant APIs",
+        ));
     }
     if p.tenant_id != account_id {
         return Err(ApiError::forbidden(
@@ -49,7 +52,9 @@ pub async fn tenant_for_account(
 pub async fn tenant(store: &Store, headers: &HeaderMap) -> Result<Principal, ApiError> {
     let p = authenticate(store, headers).await?;
     if p.scope != Scope::Tenant {
-        return Err(ApiError::forbidden("admin tokens cannot call tenant APIs"));
+        return Err(ApiError::forbidden(
+            "only tenant tokens can call tenant APIs",
+        ));
     }
     Ok(p)
 }
@@ -61,4 +66,15 @@ pub async fn admin(store: &Store, headers: &HeaderMap) -> Result<Principal, ApiE
         return Err(ApiError::forbidden("an admin token is required"));
     }
     Ok(p)
+}
+
+/// A node token: the node id it speaks for, or 401/403.
+pub async fn node(store: &Store, headers: &HeaderMap) -> Result<String, ApiError> {
+    let p = authenticate(store, headers).await?;
+    match (p.scope, p.node_id) {
+        (Scope::Node, Some(id)) => Ok(id),
+        _ => Err(ApiError::forbidden(
+            "a node token is required (mint one with POST /admin/v1/nodes/{id}/tokens)",
+        )),
+    }
 }

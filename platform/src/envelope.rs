@@ -359,6 +359,26 @@ pub enum OpenAiRunErrors {
     Unavailable(OpenAiErrorBody),
 }
 
+/// The failures of a tenant's read in OpenAI's shape (OpenAPI).
+#[derive(utoipa::IntoResponses)]
+pub enum OpenAiReadErrors {
+    /// invalid_request_error: a path that does not decode
+    #[response(status = 400)]
+    BadRequest(OpenAiErrorBody),
+    /// authentication_error
+    #[response(status = 401)]
+    Unauthorized(OpenAiErrorBody),
+    /// permission_error
+    #[response(status = 403)]
+    Forbidden(OpenAiErrorBody),
+    /// not_found_error: no such model (or one private to others)
+    #[response(status = 404)]
+    NotFound(OpenAiErrorBody),
+    /// server_error
+    #[response(status = 500)]
+    Internal(OpenAiErrorBody),
+}
+
 /// The failures of a tenant's read (OpenAPI).
 #[derive(utoipa::IntoResponses)]
 pub enum ReadErrors {

@@ -38,6 +38,9 @@ enum Command {
     /// device models run on, and the GPUs the CUDA driver reports (loaded at run time; none
     /// without a driver) with their total and free memory.
     Devices,
+    /// Print a fresh KV transfer key (64 hex digits) for a cluster's prefill and decode
+    /// nodes: `bulkhead transfer-key > transfer.key && chmod 600 transfer.key`.
+    TransferKey,
     /// Manage the local model cache.
     Models {
         #[command(subcommand)]
@@ -118,12 +121,17 @@ struct NodeArgs {
     /// The URL the control plane reaches this node at (default: http://<listen>).
     #[arg(long)]
     advertise: Option<String>,
-    /// This node's id in the registry (default: a new UUID).
-    #[arg(long)]
+    /// This node's id in the registry: the id its node token was minted for.
+    #[arg(long, env = "BULKHEAD_NODE_ID")]
     node_id: Option<String>,
-    /// Token for the control plane (an admin token).
+    /// The node's credential for the control plane: a node token minted for --node-id
+    /// (`POST /admin/v1/nodes/{id}/tokens`), never the admin token.
     #[arg(long, env = "BULKHEAD_NODE_TOKEN", hide_env_values = true)]
     node_token: Option<String>,
+    /// The token callers of this node's API must present (24 to 256 printable characters).
+    /// Default: a fresh random one, handed to the control plane in the heartbeat.
+    #[arg(long, env = "BULKHEAD_NODE_API_TOKEN", hide_env_values = true)]
+    api_token: Option<String>,
     /// Decode role: accept KV transfers from prefill nodes on this address.
     #[arg(long)]
     transfer_listen: Option<String>,
@@ -136,6 +144,10 @@ struct NodeArgs {
     /// Longest a KV transfer may take before both sides roll it back, in milliseconds.
     #[arg(long)]
     transfer_lease_ms: Option<u64>,
+    /// The cluster's KV transfer key file (`bulkhead transfer-key`); required by prefill
+    /// and decode nodes.
+    #[arg(long, env = "BULKHEAD_TRANSFER_KEY_FILE")]
+    transfer_key_file: Option<PathBuf>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -153,6 +165,13 @@ fn main() -> std::process::ExitCode {
             command: ModelsCommand::Fetch,
         } => fetch_all(&default_cache_dir()),
         Command::Check { config } => check(&config),
+        Command::TransferKey => {
+            println!(
+                "{}",
+                bulkhead_runtime::transfer::TransferKey::generate().to_hex()
+            );
+            Ok(())
+        }
         Command::Devices => devices(),
         Command::Node(args) => run_node(args),
         Command::Serve(args) => run_serve(args),
@@ -231,6 +250,20 @@ fn run_node(args: NodeArgs) -> anyhow::Result<()> {
     if let Some(l) = args.transfer_lease_ms {
         cfg.transfer.lease_ms = l;
     }
+    if let Some(k) = args.transfer_key_file {
+        cfg.transfer.key_file = Some(k);
+    }
+    cfg.transfer.load_key()?;
+    match args.api_token {
+        Some(t) => {
+            cfg.api_token =
+                Some(bulkhead_runtime::node_auth::ApiToken::new(t).context("--api-token")?)
+        }
+        None if args.control_plane.is_none() => tracing::warn!(
+            "no --api-token and no --control-plane: this node's API accepts no caller"
+        ),
+        None => {}
+    }
     // The bundled defaults fetch themselves on first run.
     let cache = cfg.models_dir();
     if BUNDLED.iter().any(|p| !p.is_present(&cache)) {
@@ -261,7 +294,7 @@ fn run_node(args: NodeArgs) -> anyhow::Result<()> {
                 .context("--control-plane needs a token (--node-token or BULKHEAD_NODE_TOKEN)")?;
             let id = args
                 .node_id
-                .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+                .context("--control-plane needs the node's id (--node-id or BULKHEAD_NODE_ID), the one its node token was minted for")?;
             let address = args.advertise.unwrap_or_else(|| format!("http://{local}"));
             tracing::info!(node_id = %id, "registering with the control plane at {cp}");
             tokio::spawn(bulkhead_platform::nodes::run_heartbeats(

@@ -1,6 +1,10 @@
 //! Remote inference nodes: the registry their heartbeats keep, the heartbeat loop a
 //! `bulkhead node --control-plane URL` runs, and the HTTP client that forwards generation
 //! and embedding requests to a node's API.
+//!
+//! Trust: a node heartbeats with a node token (scope `node`, one node id), never the admin
+//! token; the heartbeat carries the node API's own token, which the control plane presents on
+//! every call to that node (the node refuses everyone else, `runtime::node_auth`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,6 +14,7 @@ use axum::http::StatusCode;
 use bulkhead_runtime::engine::{FinishReason, GenEvent, Usage};
 use bulkhead_runtime::error::RuntimeError;
 use bulkhead_runtime::node::{Node, Role};
+use bulkhead_runtime::node_auth::ApiToken;
 use bulkhead_runtime::server::{EmbedResponse, GenerateBody, NodeState};
 use futures::StreamExt;
 use parking_lot::RwLock;
@@ -29,6 +34,8 @@ pub struct Heartbeat {
     pub id: String,
     /// Base URL of the node API, e.g. `http://10.0.0.5:8788`.
     pub address: String,
+    /// The bearer token the node API accepts: the control plane presents it on every call.
+    pub api_token: ApiToken,
     pub state: NodeState,
 }
 
@@ -37,6 +44,8 @@ pub struct Heartbeat {
 pub struct RemoteNode {
     pub id: String,
     pub address: String,
+    /// Shared with the other replicas through Redis, which is inside the trust boundary.
+    pub api_token: ApiToken,
     pub state: NodeState,
     /// Unix ms when a control-plane replica last received its heartbeat (that replica's
     /// clock; replicas are assumed NTP-synchronised, well within [`STALE_AFTER`]).
@@ -57,10 +66,45 @@ impl RemoteNode {
             .map_or(usize::MAX, |m| m.queue_depth + m.running)
     }
 
+    /// Where requests to this node go and what they may use: what a heartbeat may change
+    /// only with an audit entry.
+    pub fn placement(&self) -> serde_json::Value {
+        let pools: serde_json::Map<String, serde_json::Value> = self
+            .state
+            .models
+            .iter()
+            .map(|m| {
+                let tokens = m.pool.map(|p| p.capacity_tokens);
+                (m.name.clone(), serde_json::json!(tokens))
+            })
+            .collect();
+        serde_json::json!({
+            "id": self.id,
+            "address": self.address,
+            "role": self.state.role,
+            "pool_tokens": pools,
+        })
+    }
+
     /// The pool capacity this node reported for `model`, when it serves it.
     pub fn serves(&self, model: &str) -> Option<&bulkhead_runtime::server::ModelState> {
         self.state.models.iter().find(|m| m.name == model)
     }
+}
+
+/// What a heartbeat changed of a node's placement (address, role, pools).
+#[derive(Debug, PartialEq)]
+pub enum PlacementChange {
+    /// A node id this replica did not know.
+    New {
+        after: serde_json::Value,
+    },
+    /// A known node now elsewhere or with other pools.
+    Moved {
+        before: serde_json::Value,
+        after: serde_json::Value,
+    },
+    Same,
 }
 
 /// How often a replica reads the shared registry from Redis.
@@ -103,12 +147,13 @@ impl Registry {
         }
     }
 
-    /// Record a heartbeat (and share it, with Redis); true when the node was not known here
-    /// before.
-    pub async fn heartbeat(&self, hb: Heartbeat) -> bool {
+    /// Record a heartbeat (and share it, with Redis): what it changed of the node's
+    /// placement, for the audit log.
+    pub async fn heartbeat(&self, hb: Heartbeat) -> PlacementChange {
         let node = RemoteNode {
             id: hb.id,
             address: hb.address.trim_end_matches('/').to_string(),
+            api_token: hb.api_token,
             state: hb.state,
             last_seen_ms: now_ms(),
         };
@@ -122,7 +167,15 @@ impl Registry {
                 Err(e) => tracing::warn!("heartbeat not serialisable: {e}"),
             }
         }
-        self.nodes.write().insert(node.id.clone(), node).is_none()
+        let after = node.placement();
+        match self.nodes.write().insert(node.id.clone(), node) {
+            None => PlacementChange::New { after },
+            Some(old) if old.placement() != after => PlacementChange::Moved {
+                before: old.placement(),
+                after,
+            },
+            Some(_) => PlacementChange::Same,
+        }
     }
 
     /// Merge the shared registry into this replica's copy (newest heartbeat wins) and drop
@@ -251,6 +304,11 @@ fn map_node_error(status: u16, body: &[u8]) -> Attempt {
             .into(),
         ),
         "unknown_model" => Attempt::NotAdmitted(ApiError::unavailable(msg)),
+        // The node restarted with a new API token and its next heartbeat is not in yet:
+        // nothing ran there, another node may take the request.
+        "unauthorized" => Attempt::NotAdmitted(ApiError::unavailable(format!(
+            "the node refused the control plane's credential: {msg}"
+        ))),
         "kv_transfer_failed" => Attempt::Failed(ApiError::new(
             StatusCode::BAD_GATEWAY,
             3000,
@@ -290,6 +348,7 @@ pub async fn generate(
     body.stream = true;
     let resp = http
         .post(format!("{}/v1/generate", node.address))
+        .bearer_auth(node.api_token.secret())
         .json(&body)
         .send()
         .await
@@ -398,6 +457,7 @@ pub async fn embed(
 ) -> Result<EmbedResponse, Attempt> {
     let resp = http
         .post(format!("{}/v1/embed", node.address))
+        .bearer_auth(node.api_token.secret())
         .json(&serde_json::json!({"model": model, "tenant": tenant, "texts": texts}))
         .send()
         .await
@@ -412,7 +472,8 @@ pub async fn embed(
 }
 
 /// The heartbeat loop of a node registered with a control plane: report state every
-/// second until the process ends. Failures are logged; the next beat retries.
+/// second until the process ends, authenticated by the node's token (`token`, scope `node`,
+/// minted for `id`). Failures are logged; the next beat retries.
 pub async fn run_heartbeats(
     control_plane: String,
     token: String,
@@ -435,6 +496,7 @@ pub async fn run_heartbeats(
         let hb = Heartbeat {
             id: id.clone(),
             address: address.clone(),
+            api_token: node.api_token.clone(),
             state: bulkhead_runtime::server::node_state(&node),
         };
         match http.post(&url).bearer_auth(&token).json(&hb).send().await {

@@ -72,6 +72,10 @@ impl Modify for BearerAuth {
         openai::embeddings_for_account,
         openai::chat_completions,
         openai::embeddings,
+        openai::list_models,
+        openai::list_models_for_account,
+        openai::get_model,
+        openai::get_model_for_account,
         admin::create_tenant,
         admin::list_tenants,
         admin::create_token,
@@ -81,6 +85,8 @@ impl Modify for BearerAuth {
         admin::create_model,
         admin::update_model,
         admin::list_nodes,
+        admin::create_node_token,
+        admin::list_node_tokens,
         admin::list_audit,
         admin::list_usage,
         workers::put_script,
@@ -99,7 +105,7 @@ impl Modify for BearerAuth {
         (name = "workers-ai", description = "Workers AI REST API"),
         (name = "openai", description = "OpenAI-compatible API"),
         (name = "admin", description = "Admin API (admin token)"),
-        (name = "workers", description = "Tenants' workers: WebAssembly components run at /workers/{account_id}/{name}/..."),
+        (name = "workers", description = "Tenants' workers: WebAssembly components, each served on its own host name, {name}.{account_id}.workers.localhost (any path)"),
     )
 )]
 pub struct ApiDoc;
@@ -158,6 +164,7 @@ pub fn document(public: &[ModelRecord], workers_cfg: &crate::workers::WorkersCon
     }
     let all: Vec<Value> = public.iter().map(|m| json!(m.name)).collect();
     if !all.is_empty() {
+        // (The model of `GET /v1/models/{model}` stays any string: an unknown one is its 404.)
         set_param(
             &mut doc["paths"]["/client/v4/accounts/{account_id}/ai/models/schema"]["get"],
             "model",

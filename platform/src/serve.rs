@@ -42,7 +42,23 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
 
     let mut generated = None;
     match &cfg.admin_token {
-        Some(t) => store.ensure_admin_token(t).await?,
+        Some(t) => {
+            // A new bootstrap token revokes the one before it: rotating the secret in the
+            // environment must not leave the old one working.
+            for revoked in store.ensure_admin_token(t).await? {
+                tracing::warn!(token = %revoked, "previous bootstrap admin token revoked");
+                let before = serde_json::json!({"id": revoked, "name": "bootstrap"});
+                store
+                    .audit(
+                        "system",
+                        "admin_token.rotate",
+                        &revoked,
+                        Some(&before),
+                        None,
+                    )
+                    .await?;
+            }
+        }
         None if !store.has_admin_token().await? => {
             generated = Some(store.create_admin_token("bootstrap").await?.token);
         }

@@ -60,6 +60,12 @@ fn serve(path: &str) -> Response {
                 header::X_CONTENT_TYPE_OPTIONS,
                 HeaderValue::from_static("nosniff"),
             ),
+            // A page of another origin that opens the admin UI gets no handle on its window
+            // (nothing to script, no sessionStorage to reach), and the UI is never framed.
+            (
+                header::HeaderName::from_static("cross-origin-opener-policy"),
+                HeaderValue::from_static("same-origin"),
+            ),
             (
                 header::CONTENT_SECURITY_POLICY,
                 HeaderValue::from_static(

@@ -999,6 +999,32 @@ async fn a_revoked_token_gets_401_and_its_revocation_is_in_the_tenants_audit_log
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn control_plane_metrics_need_the_admin_token() {
+    // Its labels name private models and every tenant's worker outcomes.
+    let srv = Server::start("metrics").await;
+    let (_, _, tenant) = srv.tenant("metrics").await;
+    let get = |token: Option<&str>| {
+        let mut r = srv.http.get(srv.url("/metrics"));
+        if let Some(t) = token {
+            r = r.bearer_auth(t);
+        }
+        r.send()
+    };
+    let (s, body, _) = json_of(get(None).await.unwrap()).await;
+    assert_error(s, &body, 401, 10000);
+    let (s, body, _) = json_of(get(Some(&tenant)).await.unwrap()).await;
+    assert_eq!(s, 403, "{body}");
+    let r = get(Some(&srv.admin)).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    assert!(
+        text.contains("bulkhead_") && text.ends_with("# EOF\n"),
+        "{text}"
+    );
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_admin_ui_is_served_at_admin() {
     let srv = Server::start("ui").await;
     let no_redirect = reqwest::Client::builder()
@@ -1012,6 +1038,8 @@ async fn the_admin_ui_is_served_at_admin() {
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["content-type"], "text/html; charset=utf-8");
     assert_eq!(r.headers()["cache-control"], "no-cache");
+    // Another origin's page that opens the UI gets no handle on its window.
+    assert_eq!(r.headers()["cross-origin-opener-policy"], "same-origin");
     let page = r.text().await.unwrap();
     if bulkhead_platform::web::built() {
         // Every asset the page links is served, with its type and a long cache life.

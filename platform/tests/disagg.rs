@@ -1,9 +1,11 @@
 //! Disaggregated prefill/decode as real `bulkhead node` processes on loopback, with faults put
 //! into the KV transfer: by a TCP proxy between the nodes (corrupt a byte, cut the connection,
-//! stall it while the decode node is killed or the client leaves) and by a test client that
-//! speaks the transfer protocol as a misbehaving prefill node. Every case must end with a
-//! clean non-2xx to the affected request, the next request served, both pools back to full
-//! and zero isolation alarms.
+//! stall it while the decode node is killed or the client leaves; as an attacker on the wire
+//! without the cluster's key: reorder frames, splice in another transfer's frame, replay a
+//! recorded transfer) and by a test client that speaks the transfer protocol as a misbehaving
+//! prefill node (with the key: lying counts and owners; without it: refused at the Hello).
+//! Every case must end with a clean non-2xx to the affected request, nothing imported, the
+//! next request served, both pools back to full and zero isolation alarms.
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -11,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bulkhead_runtime::sampling::SamplingParams;
+use bulkhead_runtime::transfer::TransferKey;
 use bulkhead_runtime::transfer::wire::{self, Commit, Frame, Hello, Kind, PageHeader, PagesHeader};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
@@ -38,6 +41,37 @@ impl Drop for NodeProc {
     }
 }
 
+/// What every test node's API accepts: only a caller presenting it (as the control plane
+/// does) is served.
+const NODE_API: &str = "disagg-test-node-api-token-0123456789";
+
+/// A client that presents [`NODE_API`], as the control plane does.
+fn node_http() -> reqwest::Client {
+    let mut auth = reqwest::header::HeaderMap::new();
+    auth.insert(
+        reqwest::header::AUTHORIZATION,
+        format!("Bearer {NODE_API}").parse().unwrap(),
+    );
+    reqwest::Client::builder()
+        .default_headers(auth)
+        .build()
+        .unwrap()
+}
+
+/// The cluster's transfer key every test node holds (a fixed test value).
+const TRANSFER_KEY: &str = "5e1f0c2a9b8d7e6f5a4b3c2d1e0f9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f";
+
+fn cluster_key() -> TransferKey {
+    TransferKey::from_hex(TRANSFER_KEY).unwrap()
+}
+
+/// The key file the nodes are started with.
+fn transfer_key_file() -> std::path::PathBuf {
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("disagg-transfer.key");
+    std::fs::write(&path, TRANSFER_KEY).unwrap();
+    path
+}
+
 async fn start_node(args: &[&str]) -> NodeProc {
     let listen = free_addr();
     let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
@@ -45,6 +79,8 @@ async fn start_node(args: &[&str]) -> NodeProc {
         .args(["--listen", &listen.to_string(), "--context-window", "512"])
         .args(args)
         .env("RUST_LOG", "warn")
+        .env("BULKHEAD_NODE_API_TOKEN", NODE_API)
+        .env("BULKHEAD_TRANSFER_KEY_FILE", transfer_key_file())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
@@ -90,6 +126,53 @@ enum Fault {
         paused: Arc<Notify>,
         resume: Arc<Notify>,
     },
+    /// Forward frame by frame, keeping a copy of each.
+    Record(Arc<Mutex<Vec<Vec<u8>>>>),
+    /// Send frame `i + 1` before frame `i`.
+    Swap(usize),
+    /// Send this frame (of another connection) instead of frame `i`.
+    Splice(usize, Vec<u8>),
+}
+
+/// Read one raw frame (`[u32 length][body]`) as it is on the wire.
+async fn read_raw_frame(r: &mut (impl tokio::io::AsyncRead + Unpin)) -> Option<Vec<u8>> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len).await.ok()?;
+    let mut frame = len.to_vec();
+    frame.resize(4 + u32::from_le_bytes(len) as usize, 0);
+    r.read_exact(&mut frame[4..]).await.ok()?;
+    Some(frame)
+}
+
+/// The frame-level faults: an attacker on the wire who sees whole frames but has no key.
+async fn forward_frames(
+    fault: &Fault,
+    cr: &mut (impl tokio::io::AsyncRead + Unpin),
+    sw: &mut (impl tokio::io::AsyncWrite + Unpin),
+) {
+    let mut held: Option<Vec<u8>> = None;
+    let mut i = 0;
+    while let Some(frame) = read_raw_frame(cr).await {
+        let out = match fault {
+            Fault::Record(frames) => {
+                frames.lock().push(frame.clone());
+                vec![frame]
+            }
+            Fault::Swap(at) if i == *at => {
+                held = Some(frame);
+                vec![]
+            }
+            Fault::Swap(at) if i == at + 1 => vec![frame, held.take().unwrap()],
+            Fault::Splice(at, other) if i == *at => vec![other.clone()],
+            _ => vec![frame],
+        };
+        i += 1;
+        for f in out {
+            if sw.write_all(&f).await.is_err() {
+                return;
+            }
+        }
+    }
 }
 
 /// A loopback TCP proxy between the prefill node and the decode node's transfer port.
@@ -118,6 +201,12 @@ async fn start_proxy(upstream: SocketAddr) -> Proxy {
                     let _ = tokio::io::copy(&mut sr, &mut cw).await;
                     let _ = cw.shutdown().await;
                 });
+                if matches!(fault, Fault::Record(_) | Fault::Swap(_) | Fault::Splice(..)) {
+                    forward_frames(&fault, &mut cr, &mut sw).await;
+                    let _ = sw.shutdown().await;
+                    let _ = back.await;
+                    return;
+                }
                 let mut seen = 0usize;
                 let mut buf = vec![0u8; 64 << 10];
                 let mut paused_once = false;
@@ -170,7 +259,9 @@ async fn start_proxy(upstream: SocketAddr) -> Proxy {
 }
 
 async fn state(url: &str) -> Value {
-    reqwest::get(format!("{url}/v1/state"))
+    node_http()
+        .get(format!("{url}/v1/state"))
+        .send()
         .await
         .unwrap()
         .json()
@@ -218,7 +309,9 @@ async fn assert_pool_full(url: &str, what: &str) {
 }
 
 async fn metrics(url: &str) -> String {
-    reqwest::get(format!("{url}/metrics"))
+    node_http()
+        .get(format!("{url}/metrics"))
+        .send()
         .await
         .unwrap()
         .text()
@@ -243,7 +336,7 @@ fn prompt(tag: &str) -> String {
 }
 
 async fn generate(url: &str, tenant: &str, prompt: &str, stream: bool) -> (u16, String) {
-    let r = reqwest::Client::new()
+    let r = node_http()
         .post(format!("{url}/v1/generate"))
         .json(&json!({"model": MODEL, "tenant": tenant, "prompt": prompt,
                        "max_tokens": 8, "temperature": 0, "stream": stream}))
@@ -321,22 +414,79 @@ async fn transfer_faults_end_in_clean_errors_with_pools_whole() {
     assert_eq!(bytes(&after), bytes(&before), "zero transfer bytes");
     assert_pool_full(p, "rejected prefill").await;
 
-    // One byte of a page corrupted on the wire: decode's checksum refuses it.
+    // One byte of a page changed on the wire: the batch's MAC refuses it.
+    let macs = |m: &str| {
+        metric(
+            m,
+            "bulkhead_kv_transfer_verification_failures_total{side=\"receive\",reason=\"mac\"}",
+        )
+    };
     *proxy.fault.lock() = Fault::Flip(200_000);
     let v = expect_transfer_failure(p, "acme", "corrupt").await;
     assert!(
-        v["error"]["message"].as_str().unwrap().contains("checksum"),
+        v["error"]["message"].as_str().unwrap().contains("MAC"),
         "{v}"
     );
-    assert_eq!(
-        metric(
-            &metrics(d).await,
-            "bulkhead_kv_transfer_verification_failures_total{side=\"receive\",reason=\"checksum\"}"
-        ),
-        1
-    );
+    assert_eq!(macs(&metrics(d).await), 1);
     assert_pool_full(p, "corrupt prefill").await;
     assert_pool_full(d, "corrupt decode").await;
+    expect_ok(p, "other").await;
+
+    // An attacker on the wire without the key. It records one transfer (acme's) ...
+    let recorded = Arc::new(Mutex::new(Vec::new()));
+    *proxy.fault.lock() = Fault::Record(recorded.clone());
+    expect_ok(p, "acme").await;
+    let recorded = recorded.lock().clone();
+    assert!(
+        recorded.len() >= 4,
+        "hello, two or more batches, commit: {} frames",
+        recorded.len()
+    );
+    let committed = |m: &str| metric(m, "bulkhead_kv_transfers_committed_total{side=\"receive\"}");
+    let before = metrics(d).await;
+    // ... swaps two batches of the next one ...
+    *proxy.fault.lock() = Fault::Swap(1);
+    let v = expect_transfer_failure(p, "victim", "reordered").await;
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("MAC"),
+        "{v}"
+    );
+    // ... puts acme's first batch into another tenant's transfer ...
+    *proxy.fault.lock() = Fault::Splice(1, recorded[1].clone());
+    let v = expect_transfer_failure(p, "victim", "spliced").await;
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("MAC"),
+        "{v}"
+    );
+    // ... and replays acme's whole transfer on a connection of its own.
+    let stream = TcpStream::connect(transfer).await.unwrap();
+    let (mut rd, mut wr) = stream.into_split();
+    read_raw_frame(&mut rd).await.expect("decode's challenge");
+    for f in &recorded {
+        if wr.write_all(f).await.is_err() {
+            break;
+        }
+    }
+    let answer = read_raw_frame(&mut rd).await.expect("a refusal");
+    assert_eq!(answer[4], Kind::Reject as u8, "refused at the Hello");
+    drop((rd, wr));
+    assert_pool_full(d, "after the wire attacks").await;
+    let after = metrics(d).await;
+    assert_eq!(macs(&after), macs(&before) + 2, "{after}");
+    assert_eq!(
+        metric(
+            &after,
+            "bulkhead_kv_transfer_verification_failures_total{side=\"receive\",reason=\"unauthenticated\"}",
+        ),
+        1,
+        "the replay: {after}"
+    );
+    assert_eq!(
+        committed(&after),
+        committed(&before),
+        "nothing of the attacks was imported"
+    );
+    assert_pool_full(p, "wire attacks prefill").await;
     expect_ok(p, "other").await;
 
     // Connection dropped in the middle of a batch.
@@ -364,7 +514,7 @@ async fn transfer_faults_end_in_clean_errors_with_pools_whole() {
         async move {
             let body = json!({"model": MODEL, "tenant": "leaver", "prompt": prompt("leaver"),
                               "max_tokens": 200, "ignore_eos": true, "temperature": 0});
-            reqwest::Client::new()
+            node_http()
                 .post(format!("{p}/v1/generate"))
                 .json(&body)
                 .send()
@@ -445,6 +595,8 @@ async fn decode_killed_or_restarted_mid_transfer() {
 /// A misbehaving prefill node, speaking the protocol straight to a real decode node.
 struct Rogue {
     addr: SocketAddr,
+    /// A rogue insider: it holds the cluster's key.
+    key: TransferKey,
     layers: usize,
     kv_dim: usize,
     page_size: usize,
@@ -454,6 +606,7 @@ impl Rogue {
     fn hello(&self, prompt: Vec<u32>, token_count: usize) -> Hello {
         Hello {
             version: wire::PROTOCOL_VERSION,
+            nonce: [0; wire::NONCE_LEN],
             request: 42,
             tenant: "mallory".into(),
             model: MODEL.into(),
@@ -480,10 +633,11 @@ impl Rogue {
         let stream = TcpStream::connect(self.addr).await.unwrap();
         let (rd, mut wr) = stream.into_split();
         let mut rd = tokio::io::BufReader::new(rd);
-        wire::write_frame(&mut wr, Kind::Hello, hello, &[])
+        let mut hello = hello.clone();
+        let (mut tx, mut rx) = wire::write_hello(&mut rd, &mut wr, &self.key, &mut hello, 1 << 20)
             .await
             .unwrap();
-        match wire::read_frame(&mut rd, 1 << 20).await.unwrap() {
+        match rx.read_frame(&mut rd, 1 << 20).await.unwrap() {
             Frame::Accept => {}
             other => return other,
         }
@@ -493,13 +647,10 @@ impl Rogue {
             let header = PagesHeader {
                 tenant: tenant.into(),
                 request: hello.request,
-                pages: vec![PageHeader {
-                    index,
-                    tokens,
-                    checksum: wire::checksum(&data),
-                }],
+                pages: vec![PageHeader { index, tokens }],
             };
-            if wire::write_frame(&mut wr, Kind::Pages, &header, &data)
+            if tx
+                .write_frame(&mut wr, Kind::Pages, &header, &data)
                 .await
                 .is_err()
             {
@@ -511,10 +662,9 @@ impl Rogue {
             token_count: hello.token_count,
             page_count: hello.page_count,
             bytes: sent,
-            logits_checksum: wire::checksum(&[]),
         };
-        let _ = wire::write_frame(&mut wr, Kind::Commit, &commit, &[]).await;
-        wire::read_frame(&mut rd, 1 << 20).await.unwrap()
+        let _ = tx.write_frame(&mut wr, Kind::Commit, &commit, &[]).await;
+        rx.read_frame(&mut rd, 1 << 20).await.unwrap()
     }
 }
 
@@ -544,6 +694,7 @@ async fn decode_refuses_a_lying_prefill_node() {
         .unwrap();
     let rogue = Rogue {
         addr: transfer,
+        key: cluster_key(),
         layers: m["kv_layout"]["layers"].as_u64().unwrap() as usize,
         kv_dim: m["kv_layout"]["kv_dim"].as_u64().unwrap() as usize,
         page_size: m["pool"]["page_size"].as_u64().unwrap() as usize,
@@ -580,9 +731,40 @@ async fn decode_refuses_a_lying_prefill_node() {
         .await;
     refused_with(f, "owner");
 
+    // A peer without the key: a prefill node refuses a decode node it cannot authenticate,
+    // before it says anything about the request ...
+    let outsider = Rogue {
+        key: TransferKey::generate(),
+        ..rogue
+    };
+    let stream = TcpStream::connect(transfer).await.unwrap();
+    let (rd, mut wr) = stream.into_split();
+    let mut rd = tokio::io::BufReader::new(rd);
+    let mut hello = outsider.hello(prompt.clone(), 40);
+    let err = wire::write_hello(&mut rd, &mut wr, &outsider.key, &mut hello, 1 << 20)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("not signed"), "{err}");
+    drop((rd, wr));
+    // ... and a decode node refuses a Hello it cannot authenticate, whatever it claims.
+    let stream = TcpStream::connect(transfer).await.unwrap();
+    let (mut rd, mut wr) = stream.into_split();
+    read_raw_frame(&mut rd).await.expect("decode's challenge");
+    let json = serde_json::to_vec(&hello).unwrap();
+    let mut forged = Vec::new();
+    forged.extend_from_slice(&((1 + 4 + json.len() + 32) as u32).to_le_bytes());
+    forged.push(Kind::Hello as u8);
+    forged.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    forged.extend_from_slice(&json);
+    forged.extend_from_slice(&[0u8; 32]);
+    wr.write_all(&forged).await.unwrap();
+    let answer = read_raw_frame(&mut rd).await.expect("a refusal");
+    assert_eq!(answer[4], Kind::Reject as u8);
+    drop((rd, wr));
+
     assert_pool_full(&decode.url, "after lying prefill").await;
     let m = metrics(&decode.url).await;
-    for reason in ["prompt_length", "token_count", "owner"] {
+    for reason in ["prompt_length", "token_count", "owner", "unauthenticated"] {
         assert!(
             metric(
                 &m,

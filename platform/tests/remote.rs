@@ -24,6 +24,18 @@ async fn get(http: &reqwest::Client, url: &str) -> Value {
         .unwrap()
 }
 
+/// A node token for `node_id`, minted with the admin token.
+async fn node_token(http: &reqwest::Client, cp: &str, node_id: &str) -> Value {
+    let r = http
+        .post(format!("{cp}/admin/v1/nodes/{node_id}/tokens"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json::<Value>().await.unwrap()["result"].clone()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_registered_node_is_routed_to_and_its_errors_keep_their_meaning() {
     // The control plane: its embedded node serves nothing.
@@ -71,15 +83,16 @@ async fn a_registered_node_is_routed_to_and_its_errors_keep_their_meaning() {
     let node_server = tokio::spawn(bulkhead_runtime::server::serve(node.clone(), nl, async {
         let _ = stop_rx.await;
     }));
+    let http = reqwest::Client::new();
+    let credential = node_token(&http, &cp_url, "node-1").await;
     let beats = tokio::spawn(bulkhead_platform::nodes::run_heartbeats(
         cp_url.clone(),
-        ADMIN.into(),
+        credential["token"].as_str().unwrap().into(),
         "node-1".into(),
         node_url.clone(),
         node,
     ));
 
-    let http = reqwest::Client::new();
     // Registered: listed healthy; its models are in the catalog, private until published.
     let mut registered = false;
     for _ in 0..100 {
@@ -253,16 +266,17 @@ async fn with_redis_every_replica_routes_to_a_node_that_heartbeats_to_one_of_the
         nl,
         std::future::pending(),
     ));
+    let http = reqwest::Client::new();
+    let credential = node_token(&http, &a, "shared-node").await;
     let beats = tokio::spawn(bulkhead_platform::nodes::run_heartbeats(
         a.clone(),
-        ADMIN.into(),
+        credential["token"].as_str().unwrap().into(),
         "shared-node".into(),
         node_url,
         node,
     ));
 
     // Replica B lists it healthy without ever hearing from it.
-    let http = reqwest::Client::new();
     let listed_healthy = |nodes: &Value, healthy: bool| {
         nodes["result"]
             .as_array()
@@ -351,4 +365,234 @@ async fn with_redis_every_replica_routes_to_a_node_that_heartbeats_to_one_of_the
         .unwrap();
     assert_eq!(r.status(), 503, "no healthy node serves it any more");
     common::drop_schema(&admin_db).await;
+}
+
+/// A node's credential speaks for that node alone: the admin token and other nodes' tokens
+/// cannot heartbeat as it, a node token opens nothing else, a changed address is audited
+/// with before and after, and a revoked token stops the node's heartbeats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn heartbeats_need_the_nodes_own_credential_and_a_move_is_audited() {
+    let data = std::env::temp_dir().join(format!(
+        "bulkhead-remote-creds-{}-{}",
+        std::process::id(),
+        common::rand_suffix()
+    ));
+    let mut cfg = ServeConfig {
+        data_dir: Some(data),
+        admin_token: Some(ADMIN.into()),
+        ..ServeConfig::default()
+    };
+    cfg.node.text_models.clear();
+    cfg.node.embedding_models.clear();
+    let (state, _) = bulkhead_platform::serve::build(&cfg).await.unwrap();
+    let cp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let cp_url = format!("http://{}", cp.local_addr().unwrap());
+    tokio::spawn(bulkhead_platform::serve::run(
+        state,
+        cp,
+        std::future::pending(),
+    ));
+    // A node serving nothing: what is under test is its credential, not its models.
+    let node_cfg = NodeConfig {
+        text_models: vec![],
+        embedding_models: vec![],
+        ..NodeConfig::default()
+    };
+    let node = tokio::task::spawn_blocking(move || Node::start(&node_cfg))
+        .await
+        .unwrap()
+        .unwrap();
+    let http = reqwest::Client::new();
+    let beat = |token: String, id: &str, address: &str| {
+        let hb = json!({
+            "id": id,
+            "address": address,
+            "api_token": node.api_token.secret(),
+            "state": bulkhead_runtime::server::node_state(&node),
+        });
+        let (http, url) = (
+            http.clone(),
+            format!("{cp_url}/internal/v1/nodes/heartbeat"),
+        );
+        async move {
+            let r = http
+                .post(url)
+                .bearer_auth(token)
+                .json(&hb)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    let one = node_token(&http, &cp_url, "node-1").await;
+    let one_secret = one["token"].as_str().unwrap().to_string();
+    let two = node_token(&http, &cp_url, "node-2").await;
+    let two_secret = two["token"].as_str().unwrap().to_string();
+
+    // The admin token is not a node credential (nodes no longer hold it).
+    let (s, b) = beat(ADMIN.into(), "node-1", "http://127.0.0.1:1").await;
+    assert_eq!(s, 403, "{b}");
+    // Node 2's credential cannot speak for node 1.
+    let (s, b) = beat(two_secret.clone(), "node-1", "http://127.0.0.1:1").await;
+    assert_eq!(s, 403, "{b}");
+    assert!(
+        b["errors"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("node-2"),
+        "{b}"
+    );
+    let nodes = get(&http, &format!("{cp_url}/admin/v1/nodes")).await;
+    assert!(
+        !nodes["result"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["id"] == "node-1"),
+        "refused heartbeats register nothing: {nodes}"
+    );
+    // A node token opens neither the admin API nor the tenant APIs.
+    for path in ["/admin/v1/tenants", "/admin/v1/nodes", "/v1/models"] {
+        let r = http
+            .get(format!("{cp_url}{path}"))
+            .bearer_auth(&one_secret)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403, "{path}");
+    }
+
+    // Node 1 registers, then moves: both are in the audit log, the move with before/after.
+    let (s, b) = beat(one_secret.clone(), "node-1", "http://127.0.0.1:1").await;
+    assert_eq!(s, 200, "{b}");
+    let (s, _) = beat(one_secret.clone(), "node-1", "http://127.0.0.1:1").await;
+    assert_eq!(s, 200);
+    let (s, _) = beat(one_secret.clone(), "node-1", "http://127.0.0.1:2").await;
+    assert_eq!(s, 200);
+    let audit = get(&http, &format!("{cp_url}/admin/v1/audit?limit=1000")).await;
+    let entries: Vec<&Value> = audit["result"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["target"] == "node-1")
+        .collect();
+    let of = |action: &str| -> Vec<&Value> {
+        entries
+            .iter()
+            .copied()
+            .filter(|e| e["action"] == action)
+            .collect()
+    };
+    assert_eq!(of("node_token.create").len(), 1, "{audit}");
+    assert_eq!(of("node.register").len(), 1, "{audit}");
+    let moved = of("node.update");
+    assert_eq!(
+        moved.len(),
+        1,
+        "an unchanged heartbeat is not audited: {audit}"
+    );
+    assert_eq!(moved[0]["actor"], "node:node-1");
+    assert_eq!(
+        moved[0]["before"]["address"], "http://127.0.0.1:1",
+        "{audit}"
+    );
+    assert_eq!(
+        moved[0]["after"]["address"], "http://127.0.0.1:2",
+        "{audit}"
+    );
+    let tokens = get(&http, &format!("{cp_url}/admin/v1/nodes/node-1/tokens")).await;
+    assert_eq!(tokens["result"][0]["scope"], "node");
+    assert_eq!(tokens["result"][0]["node_id"], "node-1");
+    assert!(
+        !tokens.to_string().contains(&one_secret),
+        "the secret is shown once only"
+    );
+
+    // Revoked: node 1's heartbeats stop being accepted.
+    let r = http
+        .delete(format!(
+            "{cp_url}/admin/v1/tokens/{}",
+            one["id"].as_str().unwrap()
+        ))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let (s, _) = beat(one_secret, "node-1", "http://127.0.0.1:3").await;
+    assert_eq!(s, 401);
+    // A bad node id is refused when the token is minted.
+    let r = http
+        .post(format!("{cp_url}/admin/v1/nodes/a%20b/tokens"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+}
+
+/// Restarting the control plane with a new `BULKHEAD_ADMIN_TOKEN` revokes the previous one,
+/// and the audit log says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_bootstrap_admin_token_revokes_the_old_one() {
+    let data = std::env::temp_dir().join(format!(
+        "bulkhead-remote-rotate-{}-{}",
+        std::process::id(),
+        common::rand_suffix()
+    ));
+    let start = |admin: &str| {
+        let mut cfg = ServeConfig {
+            data_dir: Some(data.clone()),
+            admin_token: Some(admin.into()),
+            ..ServeConfig::default()
+        };
+        cfg.node.text_models.clear();
+        cfg.node.embedding_models.clear();
+        async move {
+            let (state, _) = bulkhead_platform::serve::build(&cfg).await.unwrap();
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let url = format!("http://{}", l.local_addr().unwrap());
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let done = tokio::spawn(bulkhead_platform::serve::run(state, l, async {
+                let _ = rx.await;
+            }));
+            (url, tx, done)
+        }
+    };
+    let http = reqwest::Client::new();
+    let status = |url: String, token: &'static str| {
+        let http = http.clone();
+        async move {
+            let r = http.get(url).bearer_auth(token).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let (url, stop, done) = start("first-admin-secret").await;
+    assert_eq!(
+        status(format!("{url}/admin/v1/tenants"), "first-admin-secret")
+            .await
+            .0,
+        200
+    );
+    let _ = stop.send(());
+    done.await.unwrap().unwrap();
+
+    let (url, _stop, _done) = start("second-admin-secret").await;
+    assert_eq!(
+        status(format!("{url}/admin/v1/tenants"), "first-admin-secret")
+            .await
+            .0,
+        401
+    );
+    let (s, audit) = status(format!("{url}/admin/v1/audit"), "second-admin-secret").await;
+    assert_eq!(s, 200);
+    let rotated: Vec<&Value> = audit["result"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["action"] == "admin_token.rotate")
+        .collect();
+    assert_eq!(rotated.len(), 1, "{audit}");
 }

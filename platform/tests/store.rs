@@ -384,6 +384,52 @@ async fn admin_tokens(db: Db) -> Db {
     db
 }
 
+both!(admin_token_rotation_and_node_tokens);
+async fn admin_token_rotation_and_node_tokens(db: Db) -> Db {
+    let store = db.connect().await;
+    let old = "bh_old_bootstrap_secret_0123456789abcdef";
+    let new = "bh_new_bootstrap_secret_0123456789abcdef";
+    assert!(store.ensure_admin_token(old).await.unwrap().is_empty());
+    let minted = store.create_admin_token("ops").await.unwrap();
+    // Setting a new bootstrap secret (a restart with a new BULKHEAD_ADMIN_TOKEN) revokes the
+    // previous bootstrap secret, and only it.
+    let revoked = db.connect().await.ensure_admin_token(new).await.unwrap();
+    assert_eq!(revoked.len(), 1);
+    assert_eq!(store.authenticate(old).await.unwrap(), None);
+    assert_eq!(
+        store.authenticate(new).await.unwrap().unwrap().scope,
+        Scope::Admin
+    );
+    assert!(store.authenticate(&minted.token).await.unwrap().is_some());
+    // Restarting with the same secret rotates nothing.
+    assert!(store.ensure_admin_token(new).await.unwrap().is_empty());
+
+    // A node token names its node, and is listed with it, not with the admin tokens.
+    let node = store
+        .create_node_token("edge-7", Some("rack 3"))
+        .await
+        .unwrap();
+    let p = store.authenticate(&node.token).await.unwrap().unwrap();
+    assert_eq!(p.scope, Scope::Node);
+    assert_eq!(p.node_id.as_deref(), Some("edge-7"));
+    assert_eq!(p.tenant_id, "");
+    let listed = store.list_node_tokens("edge-7").await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].node_id.as_deref(), Some("edge-7"));
+    assert!(store.list_node_tokens("edge-8").await.unwrap().is_empty());
+    assert!(
+        store
+            .list_tokens("")
+            .await
+            .unwrap()
+            .iter()
+            .all(|t| t.scope == Scope::Admin)
+    );
+    assert!(store.revoke_token(&node.id).await.unwrap());
+    assert_eq!(store.authenticate(&node.token).await.unwrap(), None);
+    db
+}
+
 both!(models);
 async fn models(db: Db) -> Db {
     let store = db.connect().await;

@@ -334,7 +334,7 @@ async fn every_rejection_is_json_in_the_surfaces_shape() {
     assert!(ct.starts_with("application/json"), "{ct}");
     assert_eq!(b["errors"][0]["code"], 5006, "{b}");
     // Unknown routes: OpenAI's shape under /v1, the envelope elsewhere.
-    let (s, ct, b) = c.get("/v1/models").await;
+    let (s, ct, b) = c.get("/v1/nothing-here").await;
     assert_eq!(s, 404, "{b}");
     assert!(ct.starts_with("application/json"), "{ct}");
     assert_eq!(b["error"]["type"], "not_found_error", "{b}");
@@ -379,6 +379,54 @@ async fn every_rejection_is_json_in_the_surfaces_shape() {
         assert_eq!(s, want, "{path}: {b}");
         assert!(ct.starts_with("application/json"), "{path}: {ct}");
         assert!(b.is_object(), "{path}: {b}");
+    }
+}
+
+/// `GET /v1/models` was a 404 with an empty body: it is OpenAI's model list, of the models
+/// the tenant may use (a private one is as missing as an unknown one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_openai_model_list_shows_what_the_tenant_may_use() {
+    let c = Client::start("models").await;
+    let private = "@cf/validation/private-model";
+    let (s, b) = c
+        .srv
+        .admin_call(
+            reqwest::Method::POST,
+            "/admin/v1/models",
+            Some(json!({"name": private, "task": "text-generation", "context_window": 512})),
+        )
+        .await;
+    assert_eq!(s, 200, "{b}");
+    for path in ["/v1/models", "/client/v4/accounts/{acct}/ai/v1/models"] {
+        let (s, ct, b) = c.get(path).await;
+        assert_eq!(s, 200, "{b}");
+        assert!(ct.starts_with("application/json"), "{ct}");
+        assert_eq!(b["object"], "list");
+        let ids: Vec<&str> = b["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap())
+            .collect();
+        assert!(ids.contains(&TEXT) && ids.contains(&EMBED), "{b}");
+        assert!(!ids.contains(&private), "a private model is listed: {b}");
+        assert_eq!(b["data"][0]["object"], "model");
+    }
+    let (s, _, b) = c.get(&format!("/v1/models/{TEXT}")).await;
+    assert_eq!((s, b["id"].as_str()), (200, Some(TEXT)), "{b}");
+    assert_eq!(b["owned_by"], "huggingfacetb");
+    let encoded = TEXT.replace('/', "%2F");
+    let (s, _, b) = c
+        .get(&format!(
+            "/client/v4/accounts/{{acct}}/ai/v1/models/{encoded}"
+        ))
+        .await;
+    assert_eq!(s, 200, "{b}");
+    for missing in [private, "@cf/no/such-model"] {
+        let (s, ct, b) = c.get(&format!("/v1/models/{missing}")).await;
+        assert_eq!(s, 404, "{b}");
+        assert!(ct.starts_with("application/json"), "{ct}");
+        assert_eq!(b["error"]["type"], "not_found_error", "{b}");
     }
 }
 

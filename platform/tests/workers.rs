@@ -65,9 +65,22 @@ impl Server {
         (r.status().as_u16(), r.json().await.unwrap())
     }
 
-    async fn call(&self, account: &str, name: &str, path: &str) -> reqwest::Response {
+    /// A request to worker `name` of `account`: its own host name, any path.
+    fn worker(
+        &self,
+        method: reqwest::Method,
+        account: &str,
+        name: &str,
+        path: &str,
+    ) -> reqwest::RequestBuilder {
+        let path = if path.is_empty() { "/" } else { path };
         self.http
-            .get(self.url(&format!("/workers/{account}/{name}{path}")))
+            .request(method, self.url(path))
+            .header("host", format!("{name}.{account}.workers.localhost"))
+    }
+
+    async fn call(&self, account: &str, name: &str, path: &str) -> reqwest::Response {
+        self.worker(reqwest::Method::GET, account, name, path)
             .send()
             .await
             .unwrap()
@@ -76,6 +89,7 @@ impl Server {
     async fn metrics(&self) -> String {
         self.http
             .get(self.url("/metrics"))
+            .bearer_auth(&self.admin)
             .send()
             .await
             .unwrap()
@@ -319,10 +333,19 @@ async fn every_request_gets_a_fresh_instance_and_host_names_route_to_workers() {
         .await
         .unwrap();
     assert_eq!(text_of(r).await, (200, "ok 1".to_string()));
+    // Never under the control plane's own origin (where the admin UI keeps its token): the
+    // path form that once served workers there is no route.
+    for path in [
+        format!("/workers/{acct}/counter/o"),
+        format!("/workers/{acct}/counter/"),
+    ] {
+        let (s, body) = json_of(srv.http.get(srv.url(&path)).send().await.unwrap()).await;
+        assert_eq!(s, 404, "{path}: {body}");
+        assert_eq!(body["errors"][0]["code"], 7000, "{body}");
+    }
     // The request body reaches the guest.
     let r = srv
-        .http
-        .post(srv.url(&format!("/workers/{acct}/counter/e")))
+        .worker(reqwest::Method::POST, &acct, "counter", "/e")
         .body("hello worker")
         .send()
         .await
@@ -374,8 +397,7 @@ async fn limits_stop_a_request_and_the_next_one_is_served() {
 
     // An oversized request body never reaches the guest.
     let r = srv
-        .http
-        .post(srv.url(&format!("/workers/{acct}/w/e")))
+        .worker(reqwest::Method::POST, &acct, "w", "/e")
         .body(vec![b'x'; 10_000])
         .send()
         .await
@@ -513,8 +535,7 @@ async fn a_client_leaving_before_the_answer_is_counted_as_gone() {
     assert_eq!(s, 200, "{b}");
     // `/s` waits 60 s on a host timer; the client gives up after 300 ms.
     let e = srv
-        .http
-        .get(srv.url(&format!("/workers/{acct}/w/s")))
+        .worker(reqwest::Method::GET, &acct, "w", "/s")
         .timeout(std::time::Duration::from_millis(300))
         .send()
         .await

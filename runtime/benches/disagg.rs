@@ -1,5 +1,5 @@
 //! Disaggregated serving on the bundled SmolLM2, in one process on loopback:
-//! - KV transfer throughput (handshake to acknowledgement, with checksums and every
+//! - KV transfer throughput (challenge to acknowledgement, every frame MAC'd and every
 //!   verification on) against raw TCP moving the same bytes on loopback, alternating in the
 //!   same run;
 //! - time to first token through a prefill + decode pair against a unified node.
@@ -24,11 +24,15 @@ const MODEL: &str = bulkhead_runtime::node::SMOLLM2_NAME;
 const TRANSFERS: usize = 16;
 const TTFT_RUNS: usize = 5;
 
+/// What the bench's nodes' APIs accept; the bench presents it as the control plane would.
+const NODE_API: &str = "disagg-bench-node-api-token-0123456789";
+
 fn node_config(role: Role) -> NodeConfig {
     let mut cfg = NodeConfig {
         role,
         pool_tokens: Some(4096),
         embedding_models: Vec::<EmbeddingModelConfig>::new(),
+        api_token: Some(bulkhead_runtime::node_auth::ApiToken::new(NODE_API).unwrap()),
         ..NodeConfig::default()
     };
     cfg.text_models[0].context_window = Some(1024);
@@ -119,8 +123,10 @@ fn main() {
     rt.block_on(async {
         let transfer = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let transfer_addr = transfer.local_addr().unwrap().to_string();
+        let key = bulkhead_runtime::transfer::TransferKey::generate();
         let mut dcfg = node_config(Role::Decode);
         dcfg.transfer.listen = Some(transfer_addr.clone());
+        dcfg.transfer.key = Some(key.clone());
         let (decode, _) = start(dcfg.clone()).await;
         tokio::spawn(bulkhead_runtime::transfer::receiver::serve(
             transfer,
@@ -129,9 +135,20 @@ fn main() {
         ));
         let mut pcfg = node_config(Role::Prefill);
         pcfg.transfer.peers = vec![transfer_addr.clone()];
+        pcfg.transfer.key = Some(key);
         let (prefill, purl) = start(pcfg).await;
         let (_unified, uurl) = start(node_config(Role::Unified)).await;
-        let http = reqwest::Client::new();
+        let http = reqwest::Client::builder()
+            .default_headers(
+                [(
+                    reqwest::header::AUTHORIZATION,
+                    format!("Bearer {NODE_API}").parse().unwrap(),
+                )]
+                .into_iter()
+                .collect(),
+            )
+            .build()
+            .unwrap();
 
         // One prefill of a ~930-token prompt (~43 MB of f32 K/V); its handoff holds the
         // pages, and the same pages are then sent to the decode node again and again,

@@ -37,10 +37,17 @@ pub enum TransferError {
     PeerClosed(String),
     #[error("no acknowledgement within the {lease_ms} ms transfer lease")]
     LeaseExpired { lease_ms: u64 },
-    #[error("page {index} failed its checksum")]
-    Checksum { index: u32 },
-    #[error("the last position's logits failed their checksum")]
-    LogitsChecksum,
+    /// A frame after the handshake failed its MAC: changed, reordered, from another
+    /// transfer or replayed.
+    #[error("a {frame} frame failed its authentication (MAC)")]
+    Mac { frame: String },
+    /// The first frame failed its MAC: the peer does not hold this cluster's transfer key.
+    #[error(
+        "the peer did not authenticate: its {frame} frame is not signed with this cluster's transfer key"
+    )]
+    Unauthenticated { frame: String },
+    #[error("this node has no transfer key (transfer.key_file, --transfer-key-file)")]
+    NoKey,
     #[error("received {received} tokens of KV, {declared} declared")]
     TokenCount { declared: usize, received: usize },
     #[error("received {received} pages, {declared} declared")]
@@ -63,7 +70,9 @@ impl TransferError {
             TransferError::Connect { .. } => "connect",
             TransferError::PeerClosed(_) => "peer_closed",
             TransferError::LeaseExpired { .. } => "lease_expired",
-            TransferError::Checksum { .. } | TransferError::LogitsChecksum => "checksum",
+            TransferError::Mac { .. } => "mac",
+            TransferError::Unauthenticated { .. } => "unauthenticated",
+            TransferError::NoKey => "no_key",
             TransferError::TokenCount { .. } => "token_count",
             TransferError::PageCount { .. } => "page_count",
             TransferError::Owner { .. } => "owner",
@@ -77,8 +86,8 @@ impl TransferError {
     pub fn is_verification_failure(&self) -> bool {
         matches!(
             self,
-            TransferError::Checksum { .. }
-                | TransferError::LogitsChecksum
+            TransferError::Mac { .. }
+                | TransferError::Unauthenticated { .. }
                 | TransferError::TokenCount { .. }
                 | TransferError::PageCount { .. }
                 | TransferError::Owner { .. }

@@ -15,6 +15,7 @@ pub mod kv;
 pub mod metrics;
 pub mod models;
 pub mod node;
+pub mod node_auth;
 pub mod sampling;
 pub mod server;
 pub mod transfer;

@@ -50,6 +50,8 @@ pub struct NodeMetrics {
     pub transfer_bytes: Family<SideLabel, Counter>,
     pub transfer_verification_failures: Family<TransferLabel, Counter>,
     pub transfer_seconds: Family<SideLabel, Histogram>,
+    /// Calls to the node API without its API token.
+    pub unauthorized_requests: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -84,6 +86,7 @@ impl NodeMetrics {
             transfer_bytes: Family::default(),
             transfer_verification_failures: Family::default(),
             transfer_seconds: Family::new_with_constructor(latency_histogram),
+            unauthorized_requests: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -171,6 +174,11 @@ impl NodeMetrics {
             "kv_transfer_seconds",
             "Time of a committed KV transfer, handshake to acknowledgement",
             m.transfer_seconds.clone(),
+        );
+        registry.register(
+            "node_unauthorized_requests",
+            "Calls to the node API refused for a missing or wrong API token",
+            m.unauthorized_requests.clone(),
         );
         NodeMetrics { registry, ..m }
     }

@@ -101,6 +101,11 @@ pub struct NodeConfig {
     pub embedding_models: Vec<EmbeddingModelConfig>,
     /// KV transfer between prefill and decode nodes.
     pub transfer: TransferConfig,
+    /// The bearer secret callers of the node API must present (`--api-token`; never read
+    /// from a config file). `None`: a fresh random one, which the node's heartbeat hands to
+    /// its control plane.
+    #[serde(skip)]
+    pub api_token: Option<crate::node_auth::ApiToken>,
 }
 
 pub const SMOLLM2_NAME: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
@@ -129,6 +134,7 @@ impl Default for NodeConfig {
                 dir: None,
             }],
             transfer: TransferConfig::default(),
+            api_token: None,
         }
     }
 }
@@ -156,6 +162,8 @@ pub struct Node {
     pub transfer: TransferConfig,
     /// Prefill role: where prefilled requests go to be decoded.
     pub decode_peers: Arc<DecodePeers>,
+    /// What a caller of the node API must present (`node_auth`).
+    pub api_token: crate::node_auth::ApiToken,
 }
 
 impl Node {
@@ -186,6 +194,16 @@ impl Node {
                 )
             }
             _ => {}
+        }
+        // Fail closed: a node that sends or accepts KV without the cluster's key would have
+        // to trust whoever connects with its tenants' KV.
+        if cfg.transfer.is_used() {
+            cfg.transfer.require_key().map_err(|_| {
+                anyhow::anyhow!(
+                    "a {} node needs the cluster's transfer key (transfer.key_file, --transfer-key-file; `bulkhead transfer-key` makes one)",
+                    cfg.role
+                )
+            })?;
         }
         let gpus = crate::device::discover_gpus();
         for g in &gpus {
@@ -285,6 +303,10 @@ impl Node {
             metrics,
             transfer: cfg.transfer.clone(),
             decode_peers: Arc::new(DecodePeers::new(cfg.transfer.peers.clone())),
+            api_token: cfg
+                .api_token
+                .clone()
+                .unwrap_or_else(crate::node_auth::ApiToken::generate),
         })
     }
 

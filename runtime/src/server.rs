@@ -1,4 +1,5 @@
 //! The node's internal HTTP API (axum): generate (SSE and not), embed, health, state, metrics.
+//! Every route but `/health` needs the node's API token (`node_auth`).
 //!
 //! Status codes: 200 only for a request served in full; context overflow 413, bad input
 //! 400, overload 503 with Retry-After, isolation or internal failure 500. A streaming
@@ -137,11 +138,16 @@ pub fn router(node: Arc<Node>) -> Router {
             )
         })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        // Outside the fallbacks too: an unauthenticated caller learns nothing of the routes.
+        .layer(axum::middleware::from_fn_with_state(
+            node.clone(),
+            crate::node_auth::require_token,
+        ))
         .with_state(node)
 }
 
 /// `{"error": {"code", "message"}}` for failures that are not a `RuntimeError`.
-fn error_response(status: StatusCode, code: &str, message: &str) -> Response {
+pub(crate) fn error_response(status: StatusCode, code: &str, message: &str) -> Response {
     let body = serde_json::json!({ "error": { "code": code, "message": message } });
     (status, Json(body)).into_response()
 }

@@ -56,11 +56,19 @@ impl TestNode {
             listener,
             std::future::pending(),
         ));
-        TestNode {
-            addr,
-            node,
-            http: reqwest::Client::new(),
-        }
+        // The control plane's view: every call carries the node's API token.
+        let mut auth = reqwest::header::HeaderMap::new();
+        auth.insert(
+            reqwest::header::AUTHORIZATION,
+            format!("Bearer {}", node.api_token.secret())
+                .parse()
+                .unwrap(),
+        );
+        let http = reqwest::Client::builder()
+            .default_headers(auth)
+            .build()
+            .unwrap();
+        TestNode { addr, node, http }
     }
 
     async fn generate(&self, body: Value) -> (u16, Value, reqwest::header::HeaderMap) {
@@ -405,4 +413,46 @@ async fn a_client_that_disconnects_mid_stream_frees_its_pages() {
         .generate(ask("t", "What is the capital of France?", 8))
         .await;
     assert_eq!(status, 200);
+}
+
+/// Anyone who reaches the node's port without its API token runs nothing, reads nothing and
+/// is counted; `/health` alone answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_node_api_refuses_callers_without_its_token() {
+    let n = TestNode::start(256, None, 1.0, EngineConfig::default()).await;
+    let anyone = reqwest::Client::new();
+    let url = |p: &str| format!("http://{}{p}", n.addr);
+    let health = anyone.get(url("/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    let wrong = format!("Bearer {}x", n.node.api_token.secret());
+    for (method, path, auth) in [
+        ("POST", "/v1/generate", None),
+        ("POST", "/v1/generate", Some(wrong.as_str())),
+        ("POST", "/v1/generate", Some("Bearer ")),
+        ("POST", "/v1/embed", None),
+        ("GET", "/v1/state", None),
+        ("GET", "/metrics", None),
+        ("GET", "/no-such-route", None),
+    ] {
+        let mut r = anyone.request(method.parse().unwrap(), url(path));
+        if let Some(a) = auth {
+            r = r.header("authorization", a);
+        }
+        if method == "POST" {
+            r = r.json(&ask("mallory", "Say hi", 4));
+        }
+        let resp = r.send().await.unwrap();
+        assert_eq!(resp.status(), 401, "{method} {path} with {auth:?}");
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "unauthorized", "{method} {path}");
+    }
+    assert!(n.pool_is_full(), "no request ran");
+    let metrics = n.metrics().await;
+    assert!(
+        metrics.contains("bulkhead_node_unauthorized_requests_total 7"),
+        "{metrics}"
+    );
+    // The token's holder is served.
+    let (status, body, _) = n.generate(ask("acme", "Say hi", 4)).await;
+    assert_eq!(status, 200, "{body}");
 }

@@ -259,6 +259,12 @@ struct Bugs {
     unhold_on_disconnect: bool,
     /// Decode has no idle timeout on a transfer connection (waits for P forever).
     no_decode_timeout: bool,
+    /// Protocol v1: decode does not verify a MAC on the frames it receives (xxh3 checksums,
+    /// which anyone can recompute, are all it checks).
+    no_mac: bool,
+    /// Frames are MAC'd, but the MAC does not cover decode's challenge nonce: it is not bound
+    /// to one connection.
+    no_nonce: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -269,6 +275,8 @@ struct TransferModel {
     decode_pages: u8,
     /// Message losses, broken connections and decode restarts, all together.
     faults: u8,
+    /// Frames a network attacker may inject, modify, replay or reorder on P -> D.
+    attacks: u8,
     bugs: Bugs,
 }
 
@@ -325,6 +333,41 @@ enum ToDecode {
     /// FIN / RST: the connection is closed.
     Close,
 }
+
+/// The MAC a frame carries (`wire::FrameHead`): keyed BLAKE3 over decode's challenge nonce,
+/// the frame's sequence number on its connection and the whole frame. Only a holder of the
+/// cluster's transfer key (P, D) can make one; modelled as the exact inputs it covers, so
+/// "the MAC verifies" means "a key holder signed exactly this frame, at this position, on this
+/// connection".
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Mac {
+    nonce: u8,
+    seq: u8,
+    over: ToDecode,
+}
+
+/// A frame on the wire: its contents and the MAC it carries (none for a forgery from
+/// scratch; `Close` is the TCP FIN/RST and carries none).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Frame {
+    body: ToDecode,
+    mac: Option<Mac>,
+}
+
+impl Frame {
+    fn close() -> Self {
+        Frame {
+            body: ToDecode::Close,
+            mac: None,
+        }
+    }
+}
+
+/// Whose K/V an attacker injects: an owner that is none of the modelled requests.
+const MALLORY: Owner = Owner {
+    tenant: 2,
+    request: 7,
+};
 
 /// Frames D -> P: handshake answers, then decode events.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -408,7 +451,14 @@ struct State {
     p: Vec<PReq>,
     d: Vec<DPhase>,
     conn: Vec<Conn>,
-    to_d: Vec<VecDeque<ToDecode>>,
+    to_d: Vec<VecDeque<Frame>>,
+    /// Frames P has sent on each connection (the next MAC's sequence number) and frames D
+    /// has accepted on it (the sequence number D expects next).
+    tx_seq: Vec<u8>,
+    rx_seq: Vec<u8>,
+    attacks_left: u8,
+    /// Every signed frame the attacker has seen on the wire (empty unless attacks > 0).
+    seen: Vec<Frame>,
     to_p: Vec<VecDeque<ToPrefill>>,
     prefill_pool: KvPool,
     decode_pool: KvPool,
@@ -418,6 +468,11 @@ struct State {
     rejected: Vec<bool>,
     /// First read of data that belongs to another owner: (node, reader, page).
     foreign_read: Option<(char, Owner, u8)>,
+    /// First request for which D accepted something its P did not send: a Hello for another
+    /// owner, or a page with contents P did not compute for it.
+    forged_import: Option<Req>,
+    /// D refused a frame whose MAC did not verify.
+    forgery_refused: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -439,6 +494,14 @@ enum Action {
     BreakConnection(Req),
     DecodeRestart,
     PrefillRestart,
+    /// Put a page frame of the attacker's making (no valid MAC) next on P -> D.
+    Inject(Req),
+    /// Rewrite the contents of the next page frame on P -> D, keeping its MAC.
+    Modify(Req),
+    /// Put a frame seen earlier (any connection, with its MAC) next on P -> D.
+    Replay(Req, u8),
+    /// Swap the next two frames on P -> D.
+    Reorder(Req),
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -473,10 +536,31 @@ impl TransferModel {
         }
     }
 
-    fn send_to_d(s: &mut State, r: Req, m: ToDecode) {
-        if s.conn[r] == Conn::Open {
-            s.to_d[r].push_back(m);
+    /// The nonce P's MACs on connection `r` cover: decode's challenge for that connection
+    /// (each connection gets a fresh one; `r` stands for it).
+    fn nonce(&self, r: Req) -> u8 {
+        if self.bugs.no_nonce { 0 } else { r as u8 }
+    }
+
+    /// P sends a frame, MAC'd under the next sequence number of its connection.
+    fn send_to_d(&self, s: &mut State, r: Req, body: ToDecode) {
+        if s.conn[r] != Conn::Open {
+            return;
         }
+        let mac = Mac {
+            nonce: self.nonce(r),
+            seq: s.tx_seq[r],
+            over: body.clone(),
+        };
+        s.tx_seq[r] += 1;
+        let frame = Frame {
+            body,
+            mac: Some(mac),
+        };
+        if self.attacks > 0 && !s.seen.contains(&frame) {
+            s.seen.push(frame.clone());
+        }
+        s.to_d[r].push_back(frame);
     }
 
     fn send_to_p(s: &mut State, r: Req, m: ToPrefill) {
@@ -495,7 +579,7 @@ impl TransferModel {
         });
         pr.phase = PPhase::Done;
         if s.conn[r] == Conn::Open {
-            s.to_d[r].push_back(ToDecode::Close);
+            s.to_d[r].push_back(Frame::close());
             s.conn[r] = Conn::Closed;
         }
     }
@@ -539,10 +623,28 @@ impl TransferModel {
     }
 
     fn deliver_to_decode(&self, s: &mut State, r: Req) {
-        let Some(msg) = s.to_d[r].pop_front() else {
+        let Some(frame) = s.to_d[r].pop_front() else {
             return;
         };
-        match msg {
+        // Frames after D has finished with the connection are dropped unread (it is closed).
+        let reading = matches!(s.d[r], DPhase::Idle | DPhase::Receiving { .. })
+            && frame.body != ToDecode::Close;
+        if reading && !self.verify(s, r, &frame) {
+            // `wire::FrameReader`: a frame whose MAC fails ends the connection before anything
+            // in it is used; D rolls back whatever the transfer had imported.
+            s.forgery_refused = true;
+            if matches!(s.d[r], DPhase::Idle) {
+                s.d[r] = DPhase::Done;
+            } else {
+                self.decode_release(s, r);
+            }
+            Self::send_to_p(s, r, ToPrefill::Nack);
+            return;
+        }
+        if reading {
+            s.rx_seq[r] += 1;
+        }
+        match frame.body {
             ToDecode::Hello {
                 owner: hello_owner,
                 prompt_len,
@@ -566,6 +668,9 @@ impl TransferModel {
                     Self::send_to_p(s, r, ToPrefill::Reject(Code::Overloaded));
                     return;
                 };
+                if hello_owner != self.owner(r) && s.forged_import.is_none() {
+                    s.forged_import = Some(r);
+                }
                 s.d[r] = DPhase::Receiving {
                     seq: KvPool::open(hello_owner, reservation),
                     token_count,
@@ -605,6 +710,9 @@ impl TransferModel {
                     .expect("a just-grown page is ours");
                 seq.len += 1;
                 *received += 1;
+                if content != Content::Kv(self.owner(r)) && s.forged_import.is_none() {
+                    s.forged_import = Some(r);
+                }
             }
             ToDecode::Commit {
                 token_count: commit_tokens,
@@ -648,6 +756,17 @@ impl TransferModel {
                 }
             }
         }
+    }
+
+    /// D's check of a frame's MAC: signed by a key holder, over exactly this frame, at the
+    /// position D expects next, on this connection.
+    fn verify(&self, s: &State, r: Req, frame: &Frame) -> bool {
+        if self.bugs.no_mac {
+            return true;
+        }
+        frame.mac.as_ref().is_some_and(|mac| {
+            mac.nonce == self.nonce(r) && mac.seq == s.rx_seq[r] && mac.over == frame.body
+        })
     }
 
     fn deliver_to_prefill(&self, s: &mut State, r: Req) {
@@ -775,7 +894,7 @@ impl TransferModel {
                 // The Hello declares the request's own prompt (the original one, even for the
                 // 2026 placeholder).
                 s.conn[r] = Conn::Open;
-                Self::send_to_d(
+                self.send_to_d(
                     s,
                     r,
                     ToDecode::Hello {
@@ -809,7 +928,7 @@ impl TransferModel {
                         let (tag_owner, _) = s.prefill_pool.pages[pr.page as usize]
                             .tag
                             .expect("read checked the tag");
-                        Self::send_to_d(
+                        self.send_to_d(
                             s,
                             r,
                             ToDecode::Pages {
@@ -828,7 +947,7 @@ impl TransferModel {
                 };
                 *step = TStep::AwaitAck;
                 let declared = self.requests[r].prompt;
-                Self::send_to_d(
+                self.send_to_d(
                     s,
                     r,
                     ToDecode::Commit {
@@ -910,7 +1029,7 @@ impl TransferModel {
             }
             Action::BreakConnection(r) => {
                 s.faults_left -= 1;
-                s.to_d[r] = VecDeque::from([ToDecode::Close]);
+                s.to_d[r] = VecDeque::from([Frame::close()]);
                 s.to_p[r] = VecDeque::from([ToPrefill::Close]);
                 s.conn[r] = Conn::Closed;
             }
@@ -944,11 +1063,44 @@ impl TransferModel {
                     }
                     if s.conn[r] == Conn::Open {
                         s.to_p[r].clear();
-                        s.to_d[r] = VecDeque::from([ToDecode::Close]);
+                        s.to_d[r] = VecDeque::from([Frame::close()]);
                         s.conn[r] = Conn::Closed;
                     }
                 }
                 s.prefill_pool = KvPool::new(self.prefill_pages, Content::Poison);
+            }
+            Action::Inject(r) => {
+                s.attacks_left -= 1;
+                let (index, owner) = match &s.d[r] {
+                    // The attacker knows the protocol: the index and owner D expects next.
+                    DPhase::Receiving { seq, received, .. } => (*received, seq.owner),
+                    _ => (0, self.owner(r)),
+                };
+                let body = ToDecode::Pages {
+                    index,
+                    owner,
+                    content: Content::Kv(MALLORY),
+                };
+                s.to_d[r].push_front(Frame { body, mac: None });
+            }
+            Action::Modify(r) => {
+                s.attacks_left -= 1;
+                if let Some(Frame {
+                    body: ToDecode::Pages { content, .. },
+                    ..
+                }) = s.to_d[r].front_mut()
+                {
+                    *content = Content::Kv(MALLORY);
+                }
+            }
+            Action::Replay(r, i) => {
+                s.attacks_left -= 1;
+                let frame = s.seen[i as usize].clone();
+                s.to_d[r].push_front(frame);
+            }
+            Action::Reorder(r) => {
+                s.attacks_left -= 1;
+                s.to_d[r].swap(0, 1);
             }
         }
     }
@@ -974,12 +1126,18 @@ impl Model for TransferModel {
             d: vec![DPhase::Idle; n],
             conn: vec![Conn::Unused; n],
             to_d: vec![VecDeque::new(); n],
+            tx_seq: vec![0; n],
+            rx_seq: vec![0; n],
+            attacks_left: self.attacks,
+            seen: Vec::new(),
             to_p: vec![VecDeque::new(); n],
             prefill_pool: KvPool::new(self.prefill_pages, Content::Poison),
             decode_pool: KvPool::new(self.decode_pages, self.history()),
             faults_left: self.faults,
             rejected: vec![false; n],
             foreign_read: None,
+            forged_import: None,
+            forgery_refused: false,
         }]
     }
 
@@ -1054,6 +1212,33 @@ impl Model for TransferModel {
                 actions.push(Action::PrefillRestart);
             }
         }
+        if s.attacks_left > 0 {
+            // An attacker on the network between P and D, without the transfer key, while a
+            // connection is open.
+            for r in 0..self.requests.len() {
+                if s.conn[r] != Conn::Open {
+                    continue;
+                }
+                if matches!(s.d[r], DPhase::Receiving { .. }) {
+                    actions.push(Action::Inject(r));
+                }
+                if matches!(
+                    s.to_d[r].front(),
+                    Some(Frame {
+                        body: ToDecode::Pages { content, .. },
+                        ..
+                    }) if *content != Content::Kv(MALLORY)
+                ) {
+                    actions.push(Action::Modify(r));
+                }
+                for i in 0..s.seen.len() {
+                    actions.push(Action::Replay(r, i as u8));
+                }
+                if s.to_d[r].len() >= 2 && s.to_d[r][0] != s.to_d[r][1] {
+                    actions.push(Action::Reorder(r));
+                }
+            }
+        }
     }
 
     fn next_state(&self, last: &State, action: Action) -> Option<State> {
@@ -1066,6 +1251,10 @@ impl Model for TransferModel {
     fn properties(&self) -> Vec<Property<Self>> {
         vec![
             Property::always("no foreign read", |_, s: &State| s.foreign_read.is_none()),
+            Property::always(
+                "decode imports only what its prefill sent",
+                |_, s: &State| s.forged_import.is_none(),
+            ),
             Property::always("rejected never succeeds", |_, s: &State| {
                 s.p.iter()
                     .zip(&s.rejected)
@@ -1095,6 +1284,9 @@ impl Model for TransferModel {
             Property::sometimes("a lease expires", |_, s: &State| {
                 s.p.iter()
                     .any(|p| p.outcome == Some(Outcome::Error(Code::Timeout)))
+            }),
+            Property::sometimes("a forged frame is refused", |_, s: &State| {
+                s.forgery_refused
             }),
             Property::sometimes("a page is reused", |_, s: &State| {
                 s.prefill_pool.pages.iter().any(|p| p.epoch >= 2)
@@ -1170,7 +1362,16 @@ fn model(requests: &[Spec], decode_pages: u8, faults: u8, bugs: Bugs) -> Transfe
         prefill_pages: 3,
         decode_pages,
         faults,
+        attacks: 0,
         bugs,
+    }
+}
+
+/// `model` with a network attacker who may tamper with `attacks` frames.
+fn attacked(requests: &[Spec], attacks: u8, bugs: Bugs) -> TransferModel {
+    TransferModel {
+        attacks,
+        ..model(requests, 3, 0, bugs)
     }
 }
 
@@ -1212,7 +1413,7 @@ fn counterexample(m: &TransferModel, path: &Path<State, Action>, name: &'static 
     }
     let last = last.unwrap_or_else(|| path.last_state().clone());
     let text = format!(
-        "{} steps: {}\noutcomes: {:?}\nrejected: {:?}\nforeign read: {:?}",
+        "{} steps: {}\noutcomes: {:?}\nrejected: {:?}\nforeign read: {:?}\nforged import: {:?}",
         actions.len(),
         actions
             .iter()
@@ -1221,14 +1422,16 @@ fn counterexample(m: &TransferModel, path: &Path<State, Action>, name: &'static 
             .join(", "),
         last.p.iter().map(|p| p.outcome).collect::<Vec<_>>(),
         last.rejected,
-        last.foreign_read
+        last.foreign_read,
+        last.forged_import
     );
     eprintln!("counterexample for \"{name}\":\n{text}");
     text
 }
 
-const SAFETY: [&str; 5] = [
+const SAFETY: [&str; 6] = [
     "no foreign read",
+    "decode imports only what its prefill sent",
     "rejected never succeeds",
     "reuse only after every holder released",
     "quiescent means clean",
@@ -1387,4 +1590,78 @@ fn decode_without_idle_timeout_pins_pages_after_a_lost_close() {
         .expect("the model must find pinned decode pages");
     counterexample(checker.model(), &path, name);
     assert!(checker.discovery("every request terminates").is_some());
+}
+
+#[test]
+fn designed_protocol_against_a_network_attacker() {
+    // Two tenants' transfers; an attacker without the transfer key injects its own page,
+    // rewrites a page in flight, replays any frame it has seen (from either transfer) or
+    // swaps two frames, anywhere. Every tampered frame is refused before it is used, and
+    // every request still ends with both pools full.
+    let checker = check(
+        attacked(&[A, C], 1, Bugs::default()),
+        "designed A,C + 1 attack",
+        None,
+    );
+    assert_safe(
+        &checker,
+        &[
+            "a request succeeds",
+            "a forged frame is refused",
+            "a transfer fails",
+        ],
+    );
+    // Two tampered frames on one transfer (a replay after an injection, and so on).
+    let checker = check(
+        attacked(&[A], 2, Bugs::default()),
+        "designed A + 2 attacks",
+        None,
+    );
+    assert_safe(
+        &checker,
+        &[
+            "a request succeeds",
+            "a forged frame is refused",
+            "a transfer fails",
+        ],
+    );
+}
+
+#[test]
+fn without_the_mac_an_attacker_puts_its_kv_into_another_tenants_request() {
+    let bugs = Bugs {
+        no_mac: true,
+        ..Bugs::default()
+    };
+    let name = "decode imports only what its prefill sent";
+    let checker = check(attacked(&[A], 1, bugs.clone()), "no MAC", Some(name));
+    let path = checker
+        .discovery(name)
+        .expect("the model must find the injected page");
+    let text = counterexample(checker.model(), &path, name);
+    assert!(text.contains("Inject") || text.contains("Modify"), "{text}");
+    // And the victim then attends over the attacker's K/V.
+    let name = "no foreign read";
+    let checker = check(attacked(&[A], 1, bugs), "no MAC", Some(name));
+    let path = checker
+        .discovery(name)
+        .expect("the victim must read the attacker's K/V");
+    counterexample(checker.model(), &path, name);
+    let (node, reader, _) = path.last_state().foreign_read.expect("a foreign read");
+    assert_eq!((node, reader.tenant), ('D', A.tenant));
+}
+
+#[test]
+fn without_the_nonce_a_recorded_transfer_replays_into_another_connection() {
+    let bugs = Bugs {
+        no_nonce: true,
+        ..Bugs::default()
+    };
+    let name = "decode imports only what its prefill sent";
+    let checker = check(attacked(&[A, C], 1, bugs), "no nonce", Some(name));
+    let path = checker
+        .discovery(name)
+        .expect("the model must find the replayed Hello");
+    let text = counterexample(checker.model(), &path, name);
+    assert!(text.contains("Replay"), "{text}");
 }

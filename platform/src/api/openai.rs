@@ -349,6 +349,52 @@ pub async fn chat(inference: &Inference, tenant: &str, body: &[u8]) -> Result<Re
     Ok(resp)
 }
 
+/// A catalog model as OpenAI's `model` object.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub struct ModelObject {
+    /// The catalog name (`@cf/author/name`).
+    pub id: String,
+    /// Always `model`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: i64,
+    /// The author part of the name.
+    pub owned_by: String,
+}
+
+impl From<&crate::store::ModelRecord> for ModelObject {
+    fn from(m: &crate::store::ModelRecord) -> Self {
+        ModelObject {
+            id: m.name.clone(),
+            object: "model",
+            created: m.created_at.max(0) / 1000,
+            owned_by: m.name.split('/').nth(1).unwrap_or("bulkhead").to_string(),
+        }
+    }
+}
+
+/// OpenAI's model list: the models `tenant` may use.
+pub fn models(inference: &Inference, tenant: &str) -> Value {
+    let data: Vec<ModelObject> = inference
+        .catalog
+        .all()
+        .iter()
+        .filter(|m| crate::catalog::is_visible(m, tenant))
+        .map(ModelObject::from)
+        .collect();
+    json!({ "object": "list", "data": data })
+}
+
+/// One model, as `tenant` may see it (a private one is as missing as an unknown one).
+pub fn model(inference: &Inference, tenant: &str, name: &str) -> Result<Value, ApiError> {
+    let m = inference.resolve_model(tenant, name).map_err(|mut e| {
+        e.status = axum::http::StatusCode::NOT_FOUND;
+        e.param = Some("model".into());
+        e
+    })?;
+    Ok(json!(ModelObject::from(&m)))
+}
+
 /// Embeddings as `tenant`, from the request body to the list.
 pub async fn embeddings(
     inference: &Inference,

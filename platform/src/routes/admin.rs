@@ -1,4 +1,5 @@
-//! The admin API under `/admin/v1/` (admin token only). Every change is in the audit log.
+//! The admin API under `/admin/v1/` (admin token only), and the nodes' heartbeat (node
+//! tokens only). Every change is in the audit log.
 
 use axum::body::Body;
 use axum::extract::State;
@@ -13,6 +14,7 @@ use crate::envelope::{ApiError, ok};
 use crate::inference::route::{pool_fit, unfit_reason};
 use crate::inference::validate::within_range;
 use crate::inference::{TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
+use crate::nodes::PlacementChange;
 use crate::state::SharedState;
 use crate::store::{AuditFilter, ModelRecord, Principal, Scope, Visibility};
 
@@ -430,23 +432,84 @@ fn node_view(
     })
 }
 
-/// `POST /internal/v1/nodes/heartbeat` (admin token): a remote node reports its
-/// state. A model the catalog does not know yet is added private: it goes public only
-/// through the publish gate.
+/// Node ids as an operator names them: what may appear in a path and a log line.
+fn valid_node_id(id: &str) -> bool {
+    (1..=128).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+#[utoipa::path(post, path = "/admin/v1/nodes/{id}/tokens", tag = "admin", params(("id" = String, Path, description = "The node id the token may heartbeat as", pattern = "^[A-Za-z0-9._-]{1,128}$")), request_body = Option<NewToken>, responses((status = 200, description = "The secret is in the answer once", body = crate::envelope::Envelope<crate::store::CreatedToken>), crate::envelope::ManageErrors))]
+pub async fn create_node_token(
+    State(s): State<SharedState>,
+    Path(node_id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let p = auth::admin(&s.store, &headers).await?;
+    let bytes = super::read_body(body).await?;
+    let req: NewToken = if bytes.is_empty() {
+        NewToken::default()
+    } else {
+        crate::api::parse_json::<Option<NewToken>>(&bytes)?.unwrap_or_default()
+    };
+    if !valid_node_id(&node_id) {
+        return Err(ApiError::bad_field(
+            "id",
+            "a node id is 1 to 128 of A-Z a-z 0-9 . _ -",
+        ));
+    }
+    let created = s
+        .store
+        .create_node_token(&node_id, req.name.as_deref())
+        .await?;
+    // The audit log records the token's id and prefix, never its secret.
+    let after = serde_json::json!({"id": created.id, "prefix": created.prefix, "node": node_id, "name": req.name});
+    s.store
+        .audit(
+            &actor(&p),
+            "node_token.create",
+            &node_id,
+            None,
+            Some(&after),
+        )
+        .await?;
+    Ok(ok(created))
+}
+
+#[utoipa::path(get, path = "/admin/v1/nodes/{id}/tokens", tag = "admin", params(("id" = String, Path)), responses((status = 200, body = crate::envelope::Envelope<Vec<crate::store::TokenInfo>>), crate::envelope::ManageErrors))]
+pub async fn list_node_tokens(
+    State(s): State<SharedState>,
+    Path(node_id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    auth::admin(&s.store, &headers).await?;
+    Ok(ok(s.store.list_node_tokens(&node_id).await?))
+}
+
+/// `POST /internal/v1/nodes/heartbeat` (a node token, for the heartbeat's node id only): a
+/// remote node reports its state. A model the catalog does not know yet is added private: it
+/// goes public only through the publish gate. A new node, and a known node whose address,
+/// role or pools changed, are audited with before and after.
 pub async fn node_heartbeat(
     State(s): State<SharedState>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let p = auth::admin(&s.store, &headers).await?;
+    let node_id = auth::node(&s.store, &headers).await?;
     let hb: crate::nodes::Heartbeat = read_json(body).await?;
-    if hb.id.is_empty()
-        || !(hb.address.starts_with("http://") || hb.address.starts_with("https://"))
-    {
-        return Err(ApiError::bad_input(
-            "a heartbeat needs an id and an http(s) address",
-        ));
+    if hb.id != node_id {
+        // One node's credential cannot re-point another node's routing.
+        return Err(ApiError::forbidden(format!(
+            "this token speaks for node {node_id}, not {}",
+            hb.id
+        )));
     }
+    if !(hb.address.starts_with("http://") || hb.address.starts_with("https://")) {
+        return Err(ApiError::bad_field("address", "an http(s) URL"));
+    }
+    let actor = format!("node:{node_id}");
     let mut added = false;
     for m in &hb.state.models {
         if s.inference.catalog.get(&m.name).is_some() {
@@ -476,13 +539,7 @@ pub async fn node_heartbeat(
             Ok(created) => {
                 let after = serde_json::to_value(&created).map_err(ApiError::internal)?;
                 s.store
-                    .audit(
-                        &actor(&p),
-                        "model.register",
-                        &created.name,
-                        None,
-                        Some(&after),
-                    )
+                    .audit(&actor, "model.register", &created.name, None, Some(&after))
                     .await?;
                 added = true;
             }
@@ -490,13 +547,21 @@ pub async fn node_heartbeat(
             Err(e) => return Err(e.into()),
         }
     }
-    let (id, address) = (hb.id.clone(), hb.address.clone());
-    if s.inference.nodes.heartbeat(hb).await {
-        tracing::info!(node = %id, %address, "node registered");
-        let after = serde_json::json!({"id": id, "address": address});
-        s.store
-            .audit(&actor(&p), "node.register", &id, None, Some(&after))
-            .await?;
+    let id = hb.id.clone();
+    match s.inference.nodes.heartbeat(hb).await {
+        PlacementChange::New { after } => {
+            tracing::info!(node = %id, "node registered");
+            s.store
+                .audit(&actor, "node.register", &id, None, Some(&after))
+                .await?;
+        }
+        PlacementChange::Moved { before, after } => {
+            tracing::warn!(node = %id, %before, %after, "node placement changed");
+            s.store
+                .audit(&actor, "node.update", &id, Some(&before), Some(&after))
+                .await?;
+        }
+        PlacementChange::Same => {}
     }
     if added {
         s.inference

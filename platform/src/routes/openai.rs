@@ -4,13 +4,13 @@
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 
 use super::extract::OpenAiPath;
 use super::read_body;
 use crate::api::openai;
 use crate::auth;
-use crate::envelope::{ApiError, OpenAiError, OpenAiRunErrors};
+use crate::envelope::{ApiError, OpenAiError, OpenAiReadErrors, OpenAiRunErrors};
 use crate::state::SharedState;
 use crate::store::Principal;
 
@@ -82,4 +82,55 @@ async fn embeddings_for(
 ) -> Result<Response, ApiError> {
     let body = read_body(body).await?;
     openai::embeddings(&state.inference, &p.tenant_id, &body).await
+}
+
+#[utoipa::path(get, path = "/v1/models", tag = "openai",
+    responses((status = 200, description = "The models this tenant may use, as OpenAI's list", body = Object),
+              OpenAiReadErrors))]
+pub async fn list_models(
+    State(state): State<SharedState>,
+    headers: HeaderMap,
+) -> Result<Response, OpenAiError> {
+    let p = auth::tenant(&state.store, &headers).await?;
+    Ok(axum::Json(openai::models(&state.inference, &p.tenant_id)).into_response())
+}
+
+#[utoipa::path(get, path = "/client/v4/accounts/{account_id}/ai/v1/models", tag = "openai", params(("account_id" = String, Path)),
+    responses((status = 200, description = "The models this tenant may use, as OpenAI's list", body = Object),
+              OpenAiReadErrors))]
+pub async fn list_models_for_account(
+    State(state): State<SharedState>,
+    OpenAiPath(account_id): OpenAiPath<String>,
+    headers: HeaderMap,
+) -> Result<Response, OpenAiError> {
+    let p = auth::tenant_for_account(&state.store, &headers, &account_id).await?;
+    Ok(axum::Json(openai::models(&state.inference, &p.tenant_id)).into_response())
+}
+
+#[utoipa::path(get, path = "/v1/models/{model}", tag = "openai",
+    params(("model" = String, Path, description = "Catalog name, raw (@cf/a/b) or %2F-encoded")),
+    responses((status = 200, description = "One model", body = openai::ModelObject),
+              OpenAiReadErrors))]
+pub async fn get_model(
+    State(state): State<SharedState>,
+    OpenAiPath(model): OpenAiPath<String>,
+    headers: HeaderMap,
+) -> Result<Response, OpenAiError> {
+    let p = auth::tenant(&state.store, &headers).await?;
+    let m = openai::model(&state.inference, &p.tenant_id, &model)?;
+    Ok(axum::Json(m).into_response())
+}
+
+#[utoipa::path(get, path = "/client/v4/accounts/{account_id}/ai/v1/models/{model}", tag = "openai",
+    params(("account_id" = String, Path), ("model" = String, Path, description = "Catalog name, raw (@cf/a/b) or %2F-encoded")),
+    responses((status = 200, description = "One model", body = openai::ModelObject),
+              OpenAiReadErrors))]
+pub async fn get_model_for_account(
+    State(state): State<SharedState>,
+    OpenAiPath((account_id, model)): OpenAiPath<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Response, OpenAiError> {
+    let p = auth::tenant_for_account(&state.store, &headers, &account_id).await?;
+    let m = openai::model(&state.inference, &p.tenant_id, &model)?;
+    Ok(axum::Json(m).into_response())
 }

@@ -1,6 +1,7 @@
 //! Tenants' workers: the scripts API (`/client/v4/accounts/{account_id}/workers/scripts`)
-//! and invocation (`/workers/{account_id}/{name}/...`, or by `Host:
-//! {name}.{account_id}.workers.localhost`). See `crate::workers` for the host.
+//! and invocation by `Host: {name}.{account_id}.workers.localhost`: each worker is its own
+//! origin, as on Cloudflare's `workers.dev`, never a path of the control plane's origin. See
+//! `crate::workers` for the host.
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -173,23 +174,6 @@ pub async fn delete_script(
     Ok(ok(removed))
 }
 
-/// `ANY /workers/{account_id}/{name}[/...]`: run the worker. Workers are public endpoints
-/// (no token): the worker decides what to serve; its AI calls run as its owner.
-pub async fn invoke_by_path(State(state): State<SharedState>, req: Request) -> Response {
-    let path = req.uri().path().to_string();
-    let query = req.uri().query().map(str::to_string);
-    let mut parts = path.trim_start_matches("/workers/").splitn(3, '/');
-    let account = parts.next().unwrap_or("").to_string();
-    let name = parts.next().unwrap_or("").to_string();
-    let rest = parts.next().unwrap_or("");
-    let mut pq = format!("/{rest}");
-    if let Some(q) = query {
-        pq.push('?');
-        pq.push_str(&q);
-    }
-    invoke::invoke(platform(&state), &account, &name, req, &pq).await
-}
-
 fn platform(state: &crate::state::AppState) -> invoke::Platform<'_> {
     invoke::Platform {
         host: &state.workers,
@@ -199,7 +183,8 @@ fn platform(state: &crate::state::AppState) -> invoke::Platform<'_> {
 }
 
 /// Routes a request whose `Host` is `{name}.{account_id}.workers.localhost` to that worker,
-/// whatever its path; everything else goes on to the router.
+/// whatever its path; everything else goes on to the router. Workers are public endpoints
+/// (no token): the worker decides what to serve; its AI calls run as its owner.
 pub async fn route_by_host(State(state): State<SharedState>, req: Request, next: Next) -> Response {
     let worker = req
         .headers()

@@ -28,12 +28,14 @@ use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::{AnyPool, Row, SqlSafeStr};
 
-/// What a token may do: call the tenant APIs of its own tenant, or the admin API.
+/// What a token may do: call the tenant APIs of its own tenant, the admin API, or heartbeat
+/// as one inference node (and nothing else: a node never holds the admin token).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Scope {
     Tenant,
     Admin,
+    Node,
 }
 
 impl Scope {
@@ -41,6 +43,7 @@ impl Scope {
         match self {
             Scope::Tenant => "tenant",
             Scope::Admin => "admin",
+            Scope::Node => "node",
         }
     }
 
@@ -48,6 +51,7 @@ impl Scope {
         match s {
             "tenant" => Ok(Scope::Tenant),
             "admin" => Ok(Scope::Admin),
+            "node" => Ok(Scope::Node),
             other => Err(StoreError::Other(format!(
                 "bad scope in database: {other:?}"
             ))),
@@ -102,11 +106,14 @@ pub struct CreatedToken {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TokenInfo {
     pub id: String,
-    /// `""` for admin tokens.
+    /// `""` for admin and node tokens.
     pub tenant_id: String,
     pub name: Option<String>,
     pub prefix: String,
     pub scope: Scope,
+    /// The node a `node` token speaks for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
     pub created_at: i64,
     pub revoked_at: Option<i64>,
 }
@@ -115,9 +122,11 @@ pub struct TokenInfo {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Principal {
     pub token_id: String,
-    /// `""` for admin tokens.
+    /// `""` for admin and node tokens.
     pub tenant_id: String,
     pub scope: Scope,
+    /// The node a `node` token speaks for (`None` for other scopes).
+    pub node_id: Option<String>,
 }
 
 /// A catalog entry.
@@ -217,14 +226,17 @@ const SQLITE_INIT: &str = include_str!("../../../migrations/sqlite/0001_init.sql
 const POSTGRES_INIT: &str = include_str!("../../../migrations/postgres/0001_init.sql");
 const SQLITE_WORKERS: &str = include_str!("../../../migrations/sqlite/0002_workers.sql");
 const POSTGRES_WORKERS: &str = include_str!("../../../migrations/postgres/0002_workers.sql");
+const SQLITE_NODE_TOKENS: &str = include_str!("../../../migrations/sqlite/0003_node_tokens.sql");
+const POSTGRES_NODE_TOKENS: &str =
+    include_str!("../../../migrations/postgres/0003_node_tokens.sql");
 
 /// The embedded migrations of one backend (what `sqlx::migrate!` would build; built by hand
 /// because the workspace does not enable sqlx's `macros` feature). Checksums are the same as
 /// the macro's, so switching to it later is seamless.
 fn migrator(backend: Backend) -> Migrator {
-    let (init, workers) = match backend {
-        Backend::Sqlite => (SQLITE_INIT, SQLITE_WORKERS),
-        Backend::Postgres => (POSTGRES_INIT, POSTGRES_WORKERS),
+    let (init, workers, node_tokens) = match backend {
+        Backend::Sqlite => (SQLITE_INIT, SQLITE_WORKERS, SQLITE_NODE_TOKENS),
+        Backend::Postgres => (POSTGRES_INIT, POSTGRES_WORKERS, POSTGRES_NODE_TOKENS),
     };
     Migrator::with_migrations(vec![
         Migration::new(
@@ -239,6 +251,13 @@ fn migrator(backend: Backend) -> Migrator {
             Cow::Borrowed("workers"),
             MigrationType::Simple,
             workers.into_sql_str(),
+            false,
+        ),
+        Migration::new(
+            3,
+            Cow::Borrowed("node_tokens"),
+            MigrationType::Simple,
+            node_tokens.into_sql_str(),
             false,
         ),
     ])

@@ -88,6 +88,7 @@ mod tests {
             token_id: "t".into(),
             tenant_id: "a".into(),
             scope: Scope::Tenant,
+            node_id: None,
         }
     }
 

@@ -12,6 +12,8 @@ use super::{CreatedToken, Principal, Scope, Store, StoreError, TokenInfo, get, n
 const SECRET_RANDOM_LEN: usize = 40;
 /// Chars of the secret kept in clear for display.
 const PREFIX_LEN: usize = 8;
+/// Name of the admin token registered from `BULKHEAD_ADMIN_TOKEN`.
+const BOOTSTRAP: &str = "bootstrap";
 
 /// Hex SHA-256 of a secret, as stored in `api_tokens.token_hash`.
 pub fn hash_secret(secret: &str) -> String {
@@ -43,6 +45,7 @@ fn token_from_row(row: &AnyRow) -> Result<TokenInfo, StoreError> {
         name: get(row, "name")?,
         prefix: get(row, "prefix")?,
         scope: Scope::parse(&get::<String>(row, "scope")?)?,
+        node_id: get(row, "node_id")?,
         created_at: get(row, "created_at")?,
         revoked_at: get(row, "revoked_at")?,
     })
@@ -54,12 +57,14 @@ impl Store {
         tenant_id: &str,
         name: Option<&str>,
         scope: Scope,
+        node_id: Option<&str>,
         secret: &str,
     ) -> Result<(String, bool), StoreError> {
         let id = new_token_id();
         let res = sqlx::query(
-            "INSERT INTO api_tokens (id, tenant_id, name, prefix, token_hash, scope, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+            "INSERT INTO api_tokens \
+             (id, tenant_id, name, prefix, token_hash, scope, node_id, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
         )
         .bind(&id)
         .bind(tenant_id)
@@ -67,6 +72,7 @@ impl Store {
         .bind(prefix_of(secret))
         .bind(hash_secret(secret))
         .bind(scope.as_str())
+        .bind(node_id)
         .bind(now_ms())
         .execute(&self.pool)
         .await?;
@@ -84,7 +90,13 @@ impl Store {
         if self.get_tenant(tenant_id).await?.is_none() {
             return Err(StoreError::NotFound(format!("tenant {tenant_id}")));
         }
-        self.create_token_unchecked(tenant_id, name, scope).await
+        if scope == Scope::Node {
+            return Err(StoreError::Other(
+                "node tokens are created with create_node_token".into(),
+            ));
+        }
+        self.create_token_unchecked(tenant_id, name, scope, None)
+            .await
     }
 
     async fn create_token_unchecked(
@@ -92,9 +104,12 @@ impl Store {
         tenant_id: &str,
         name: Option<&str>,
         scope: Scope,
+        node_id: Option<&str>,
     ) -> Result<CreatedToken, StoreError> {
         let secret = new_secret();
-        let (id, inserted) = self.insert_token(tenant_id, name, scope, &secret).await?;
+        let (id, inserted) = self
+            .insert_token(tenant_id, name, scope, node_id, &secret)
+            .await?;
         if !inserted {
             // A 238-bit collision: not going to happen, but never hand out a dead token.
             return Err(StoreError::Conflict("token hash collision".into()));
@@ -108,19 +123,57 @@ impl Store {
 
     /// Creates an admin token (scope admin, no tenant).
     pub async fn create_admin_token(&self, name: &str) -> Result<CreatedToken, StoreError> {
-        self.create_token_unchecked("", Some(name), Scope::Admin)
+        self.create_token_unchecked("", Some(name), Scope::Admin, None)
             .await
     }
 
-    /// Registers a given admin secret (e.g. from `BULKHEAD_ADMIN_TOKEN`). Idempotent: a secret
-    /// already registered is left as it is (a revoked one stays revoked).
-    pub async fn ensure_admin_token(&self, secret: &str) -> Result<(), StoreError> {
+    /// Creates a token that may heartbeat as node `node_id` and do nothing else. The secret
+    /// in the result is shown once.
+    pub async fn create_node_token(
+        &self,
+        node_id: &str,
+        name: Option<&str>,
+    ) -> Result<CreatedToken, StoreError> {
+        self.create_token_unchecked("", name, Scope::Node, Some(node_id))
+            .await
+    }
+
+    /// The tokens of node `node_id`, oldest first, revoked ones included.
+    pub async fn list_node_tokens(&self, node_id: &str) -> Result<Vec<TokenInfo>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, tenant_id, name, prefix, scope, node_id, created_at, revoked_at \
+             FROM api_tokens WHERE scope = $1 AND node_id = $2 ORDER BY created_at, id",
+        )
+        .bind(Scope::Node.as_str())
+        .bind(node_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(token_from_row).collect()
+    }
+
+    /// Registers the bootstrap admin secret (`BULKHEAD_ADMIN_TOKEN`) and revokes every other
+    /// bootstrap secret: setting a new one rotates the old one out. Idempotent: a secret
+    /// already registered is left as it is (a revoked one stays revoked). Returns the ids of
+    /// the tokens it revoked (empty when nothing rotated), for the audit log.
+    pub async fn ensure_admin_token(&self, secret: &str) -> Result<Vec<String>, StoreError> {
         if secret.trim().is_empty() {
             return Err(StoreError::Other("admin token must not be empty".into()));
         }
-        self.insert_token("", Some("bootstrap"), Scope::Admin, secret)
+        self.insert_token("", Some(BOOTSTRAP), Scope::Admin, None, secret)
             .await?;
-        Ok(())
+        let old: Vec<String> = sqlx::query_scalar(
+            "SELECT id FROM api_tokens WHERE scope = $1 AND name = $2 \
+             AND revoked_at IS NULL AND token_hash <> $3 ORDER BY id",
+        )
+        .bind(Scope::Admin.as_str())
+        .bind(BOOTSTRAP)
+        .bind(hash_secret(secret))
+        .fetch_all(&self.pool)
+        .await?;
+        for id in &old {
+            self.revoke_token(id).await?;
+        }
+        Ok(old)
     }
 
     /// Whether any unrevoked admin token exists.
@@ -146,7 +199,7 @@ impl Store {
         }
         let generation = self.tokens.generation();
         let row = sqlx::query(
-            "SELECT id, tenant_id, scope, token_hash FROM api_tokens \
+            "SELECT id, tenant_id, scope, node_id, token_hash FROM api_tokens \
              WHERE token_hash = $1 AND revoked_at IS NULL",
         )
         .bind(&hash)
@@ -161,6 +214,7 @@ impl Store {
             token_id: get(&row, "id")?,
             tenant_id: get(&row, "tenant_id")?,
             scope: Scope::parse(&get::<String>(&row, "scope")?)?,
+            node_id: get(&row, "node_id")?,
         };
         self.tokens.insert(generation, hash, principal.clone());
         Ok(Some(principal))
@@ -196,10 +250,11 @@ impl Store {
     /// The tokens of a tenant (`""`: the admin tokens), oldest first, revoked ones included.
     pub async fn list_tokens(&self, tenant_id: &str) -> Result<Vec<TokenInfo>, StoreError> {
         let rows = sqlx::query(
-            "SELECT id, tenant_id, name, prefix, scope, created_at, revoked_at FROM api_tokens \
-             WHERE tenant_id = $1 ORDER BY created_at, id",
+            "SELECT id, tenant_id, name, prefix, scope, node_id, created_at, revoked_at \
+             FROM api_tokens WHERE tenant_id = $1 AND scope <> $2 ORDER BY created_at, id",
         )
         .bind(tenant_id)
+        .bind(Scope::Node.as_str())
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(token_from_row).collect()
@@ -207,8 +262,8 @@ impl Store {
 
     pub async fn get_token(&self, token_id: &str) -> Result<Option<TokenInfo>, StoreError> {
         let row = sqlx::query(
-            "SELECT id, tenant_id, name, prefix, scope, created_at, revoked_at FROM api_tokens \
-             WHERE id = $1",
+            "SELECT id, tenant_id, name, prefix, scope, node_id, created_at, revoked_at \
+             FROM api_tokens WHERE id = $1",
         )
         .bind(token_id)
         .fetch_optional(&self.pool)

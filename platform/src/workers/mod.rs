@@ -100,7 +100,7 @@ impl Default for WorkersConfig {
 pub struct SettingsQuery {
     /// Guest CPU time per request in ms (default 50).
     pub cpu_ms: Option<i64>,
-    /// Linear memory per instance in MiB (default 128).
+    /// Memory per instance in MiB, all its linear memories and tables together (default 128).
     pub memory_mib: Option<i64>,
     /// Wall-clock time per request in ms (default 30000).
     pub wall_ms: Option<i64>,

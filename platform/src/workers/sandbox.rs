@@ -42,6 +42,9 @@ const OUTPUT_CAPTURE_BYTES: usize = 16 << 10;
 /// Largest table a guest may grow to (SpiderMonkey's function table is a few thousand).
 const MAX_TABLE_ELEMENTS: usize = 1 << 20;
 
+/// What one table element counts against the memory limit.
+const TABLE_ELEMENT_BYTES: usize = std::mem::size_of::<usize>();
+
 /// Guest execution time: wall time spent in WebAssembly, host calls excluded (a call to
 /// `AI.run` or a wait on a timer or stream does not count).
 #[derive(Debug)]
@@ -104,6 +107,33 @@ impl WasiHttpHooks for DenyOutgoing {
     }
 }
 
+/// The bytes an instance may hold in all its linear memories and tables together. A
+/// component has several core instances, each with its own memories, all in one store: a
+/// limit checked per memory would let it hold several times its `memory_mib`.
+#[derive(Debug)]
+pub struct MemoryBudget {
+    limit: usize,
+    used: usize,
+}
+
+impl MemoryBudget {
+    pub fn new(limit: usize) -> Self {
+        MemoryBudget { limit, used: 0 }
+    }
+
+    /// One memory or table growing from `current` to `desired` bytes (a new one from 0).
+    /// A growth that then fails for another reason stays counted: the budget errs on the
+    /// side of refusing.
+    pub fn grow(&mut self, current: usize, desired: usize) -> Result<(), Limit> {
+        let total = self.used.saturating_sub(current).saturating_add(desired);
+        if total > self.limit {
+            return Err(Limit::Memory);
+        }
+        self.used = total;
+        Ok(())
+    }
+}
+
 /// The `T` of a worker's `Store<T>`.
 pub struct WorkerState {
     wasi: WasiCtx,
@@ -112,7 +142,7 @@ pub struct WorkerState {
     table: ResourceTable,
     pub ai: AiCtx,
     pub clock: GuestClock,
-    memory_limit: usize,
+    memory: MemoryBudget,
     /// The first limit the request ran into, if any.
     pub limit_hit: Option<Limit>,
     stdout: MemoryOutputPipe,
@@ -134,7 +164,7 @@ impl WorkerState {
             table: ResourceTable::new(),
             ai,
             clock: GuestClock::new(cpu),
-            memory_limit,
+            memory: MemoryBudget::new(memory_limit),
             limit_hit: None,
             stdout,
             stderr,
@@ -145,6 +175,16 @@ impl WorkerState {
     pub fn output(&self) -> (String, String) {
         let s = |p: &MemoryOutputPipe| String::from_utf8_lossy(&p.contents()).into_owned();
         (s(&self.stdout), s(&self.stderr))
+    }
+
+    /// A memory or table growing from `current` to `desired` bytes: accounted, or a trap
+    /// with the memory limit (not a failed `memory.grow`: the request ends at once with its
+    /// own error instead of leaving the guest to limp on without memory).
+    fn grow(&mut self, current: usize, desired: usize) -> wasmtime::Result<bool> {
+        match self.memory.grow(current, desired) {
+            Ok(()) => Ok(true),
+            Err(l) => Err(self.hit(l)),
+        }
     }
 
     fn hit(&mut self, l: Limit) -> wasmtime::Error {
@@ -181,28 +221,24 @@ impl WorkerState {
 impl ResourceLimiter for WorkerState {
     fn memory_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        if desired > self.memory_limit {
-            // A trap, not a failed `memory.grow`: the request ends at once with its own
-            // error instead of leaving the guest to limp on without memory.
-            return Err(self.hit(Limit::Memory));
-        }
-        Ok(true)
+        self.grow(current, desired)
     }
 
     fn table_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
         if desired > MAX_TABLE_ELEMENTS {
             return Err(self.hit(Limit::Memory));
         }
-        Ok(true)
+        // Elements, not bytes: each costs the host about a pointer.
+        self.grow(current * TABLE_ELEMENT_BYTES, desired * TABLE_ELEMENT_BYTES)
     }
 
     fn instances(&self) -> usize {
@@ -253,4 +289,82 @@ pub fn epoch_deadline(
     }
     state.clock.used_at_yield = used;
     Ok(UpdateDeadline::Yield(ticks))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Limit, MemoryBudget};
+    use wasmtime::{Config, Engine, Instance, Module, ResourceLimiter, Store};
+
+    /// A store's limiter made of the worker's memory budget alone.
+    struct Budgeted(MemoryBudget);
+
+    impl ResourceLimiter for Budgeted {
+        fn memory_growing(
+            &mut self,
+            c: usize,
+            d: usize,
+            _: Option<usize>,
+        ) -> wasmtime::Result<bool> {
+            self.0
+                .grow(c, d)
+                .map(|()| true)
+                .map_err(wasmtime::Error::new)
+        }
+        fn table_growing(
+            &mut self,
+            _: usize,
+            _: usize,
+            _: Option<usize>,
+        ) -> wasmtime::Result<bool> {
+            Ok(true)
+        }
+    }
+
+    /// Four memories, each grown by 24 MiB: each under a 64 MiB limit, together over it.
+    #[test]
+    fn the_memory_limit_is_the_total_of_every_memory() {
+        let mut config = Config::new();
+        config.wasm_multi_memory(true);
+        let engine = Engine::new(&config).unwrap();
+        let module = Module::new(
+            &engine,
+            wat::parse_str(
+                r#"(module
+                  (memory $a 1) (memory $b 0) (memory $c 0) (memory $d 0)
+                  (func (export "grow") (param i32) (result i32)
+                    (drop (memory.grow $a (local.get 0)))
+                    (drop (memory.grow $b (local.get 0)))
+                    (drop (memory.grow $c (local.get 0)))
+                    (memory.grow $d (local.get 0))))"#,
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let run = |pages: i32| {
+            let mut store = Store::new(&engine, Budgeted(MemoryBudget::new(64 << 20)));
+            store.limiter(|b| b);
+            let instance = Instance::new(&mut store, &module, &[]).unwrap();
+            let grow = instance
+                .get_typed_func::<i32, i32>(&mut store, "grow")
+                .unwrap();
+            grow.call(&mut store, pages)
+        };
+        // 4 x 15 MiB (+ the first memory's page) fits in 64 MiB.
+        assert!(run(240).is_ok());
+        // 4 x 24 MiB does not, though every memory alone is under the limit.
+        let err = run(384).unwrap_err();
+        assert_eq!(err.downcast_ref::<Limit>(), Some(&Limit::Memory), "{err:?}");
+    }
+
+    #[test]
+    fn shrinking_nothing_and_regrowing_are_accounted_once() {
+        let mut b = MemoryBudget::new(100);
+        b.grow(0, 60).unwrap();
+        // The same memory growing again counts its new size, not both.
+        b.grow(60, 90).unwrap();
+        assert_eq!(b.grow(0, 20), Err(Limit::Memory));
+        b.grow(0, 10).unwrap();
+        assert_eq!(b.grow(usize::MAX, usize::MAX), Err(Limit::Memory));
+    }
 }

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::RuntimeError;
 
@@ -456,8 +455,6 @@ impl KvPool {
 
     /// Append the K/V of the first `tokens` slots of a page `owner` holds to `out`, in wire
     /// order (`[layer][k|v][slot][kv_dim]`, f32 little-endian), checking the owner tag first.
-    /// Returns the xxh3-64 of the appended bytes, computed run by run while each run is still
-    /// in cache (one pass over the page instead of a copy and then a checksum pass).
     /// Used by the prefill side of a KV transfer on pages it holds after its own release.
     pub fn export_page(
         &self,
@@ -465,7 +462,7 @@ impl KvPool {
         page_ref: PageRef,
         tokens: usize,
         out: &mut Vec<u8>,
-    ) -> Result<u64, RuntimeError> {
+    ) -> Result<(), RuntimeError> {
         if tokens > self.page_size {
             return Err(RuntimeError::Internal(format!(
                 "{tokens} tokens do not fit a page of {}",
@@ -475,31 +472,27 @@ impl KvPool {
         let page = self.pages[page_ref.page as usize].read();
         self.check_tag(owner, page_ref, &page)?;
         let run = tokens * self.layout.kv_dim;
-        let mut hasher = Xxh3::new();
         out.reserve(self.wire_bytes(tokens));
         for layer in 0..self.layout.layers {
             for kind in 0..2 {
                 let o = self.offset(layer, kind, 0);
-                let bytes: &[u8] = bytemuck::cast_slice(&page.data[o..o + run]);
-                out.extend_from_slice(bytes);
-                hasher.update(bytes);
+                out.extend_from_slice(bytemuck::cast_slice(&page.data[o..o + run]));
             }
         }
-        Ok(hasher.digest())
+        Ok(())
     }
 
     /// Write received K/V (wire order, as `export_page` writes it) into page `index` of
     /// `seq`'s block table, checking the owner tag. Pages must be allocated (`grow`).
-    /// Returns the xxh3-64 of `data`, hashed run by run as it is copied; the caller compares
-    /// it with the sender's. The page is the receiving sequence's own and is not read before
-    /// the whole transfer is verified, so a mismatch only fails that sequence.
+    /// The page is the receiving sequence's own and is not read before the whole transfer is
+    /// verified (its MACs, `transfer::wire`), so forged bytes only fail that sequence.
     pub fn import_page(
         &self,
         seq: &SeqKv,
         index: usize,
         tokens: usize,
         data: &[u8],
-    ) -> Result<u64, RuntimeError> {
+    ) -> Result<(), RuntimeError> {
         if tokens > self.page_size || data.len() != self.wire_bytes(tokens) {
             return Err(RuntimeError::Internal(format!(
                 "page data of {} bytes for {tokens} tokens does not match the layout",
@@ -514,23 +507,21 @@ impl KvPool {
         let run = tokens * self.layout.kv_dim;
         let bytes = run * std::mem::size_of::<f32>();
         let mut chunks = data.chunks_exact(bytes);
-        let mut hasher = Xxh3::new();
         for layer in 0..self.layout.layers {
             for kind in 0..2 {
                 let o = self.offset(layer, kind, 0);
                 let src = chunks.next().expect("length checked above");
-                hasher.update(src);
                 bytemuck::cast_slice_mut::<f32, u8>(&mut page.data[o..o + run])
                     .copy_from_slice(src);
             }
         }
-        Ok(hasher.digest())
+        Ok(())
     }
 
     /// Run `f` on the bytes of a full page that `owner` holds, in wire order (for a full page
     /// that is its memory order), under the page's read lock and after its owner check. For
     /// sending a page without copying it out first; `f` runs under the lock, so it must not
-    /// block (a non-blocking socket write, a checksum).
+    /// block (a non-blocking socket write, a MAC update).
     pub fn with_full_page<R>(
         &self,
         owner: &Owner,
@@ -762,7 +753,7 @@ mod tests {
     }
 
     #[test]
-    fn exported_pages_import_with_the_wire_checksum() {
+    fn exported_pages_import_as_the_same_bytes() {
         let (src, dst) = (KvPool::new(layout(), 4, 4), KvPool::new(layout(), 4, 4));
         let mut a = src.open(owner("a", 1), src.try_reserve(6).unwrap());
         src.grow(&mut a, 6).unwrap();
@@ -776,18 +767,14 @@ mod tests {
         dst.grow(&mut b, 6).unwrap();
         for (i, tokens) in [(0, 4), (1, 2)] {
             let mut wire = Vec::new();
-            let sum = src
-                .export_page(a.owner(), a.block_table()[i], tokens, &mut wire)
+            src.export_page(a.owner(), a.block_table()[i], tokens, &mut wire)
                 .unwrap();
             assert_eq!(wire.len(), src.wire_bytes(tokens));
-            assert_eq!(
-                sum,
-                xxhash_rust::xxh3::xxh3_64(&wire),
-                "one-shot == streamed"
-            );
-            assert_eq!(dst.import_page(&b, i, tokens, &wire).unwrap(), sum);
-            wire[5] ^= 1;
-            assert_ne!(dst.import_page(&b, i, tokens, &wire).unwrap(), sum);
+            dst.import_page(&b, i, tokens, &wire).unwrap();
+            let mut back = Vec::new();
+            dst.export_page(b.owner(), b.block_table()[i], tokens, &mut back)
+                .unwrap();
+            assert_eq!(back, wire, "page {i} arrives as sent");
         }
         // A full page is the same bytes in place as exported, and writable in place.
         let mut wire = Vec::new();

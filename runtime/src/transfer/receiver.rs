@@ -1,11 +1,15 @@
 //! The decode side of a KV transfer: accept connections from prefill nodes, admit, receive
 //! and verify the pages into this node's pool, then generate and stream events back.
 //!
-//! Everything received is checked against the handshake before the request may run: the
-//! layout, the declared token count against the prompt, every page's owner, position, token
-//! count and checksum, and the commit's totals against what actually arrived. Until the
-//! request is handed to the engine its pages are owned by a guard that releases them on any
-//! failure, timeout or lost connection.
+//! Each connection starts with this node's challenge; nothing is reserved until an
+//! authentic `Hello` (MAC'd under the cluster's transfer key, bound to the challenge) says
+//! who the request is, and the pages are imported under that Hello's tenant. Everything
+//! received is checked against the handshake before the request may run: every frame's MAC,
+//! the layout, the declared token count against the prompt, every page's owner, position
+//! and token count, and the commit's totals against what actually arrived. Page bytes go
+//! straight into the sequence's own reserved pages, which nothing reads before the commit
+//! verifies; until the request is handed to the engine they are owned by a guard that
+//! releases (and poisons) them on any failure, timeout or lost connection.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,7 +19,9 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::TransferConfig;
-use super::wire::{self, ErrorFrame, Frame, Hello, Kind, WireEvent};
+use super::wire::{
+    self, ErrorFrame, Frame, FrameHead, FrameReader, FrameWriter, Hello, Kind, WireEvent,
+};
 use crate::admission::check_generation;
 use crate::engine::{Engine, Submission};
 use crate::error::{RuntimeError, TransferError};
@@ -81,27 +87,54 @@ async fn handle(stream: TcpStream, node: Arc<Node>, cfg: TransferConfig) {
         .transfers_started
         .get_or_create(&side(super::RECEIVE))
         .inc();
+    let key = match cfg.require_key() {
+        Ok(k) => k.clone(),
+        Err(e) => {
+            // `Node::start` refuses a decode node without a key; this is the last line.
+            tracing::error!("KV transfer refused: {e}");
+            metrics.transfer_failed(super::RECEIVE, &e);
+            return;
+        }
+    };
+    let Ok((mut tx, mut rx)) = wire::write_challenge(&mut wr, &key).await else {
+        metrics.transfer_failed(
+            super::RECEIVE,
+            &TransferError::PeerClosed("before the challenge".into()).into(),
+        );
+        return;
+    };
     let lease = Duration::from_millis(cfg.lease_ms);
     let mut accepted = false;
-    let received =
-        tokio::time::timeout(lease, receive(&mut rd, &mut wr, &node, &cfg, &mut accepted))
-            .await
-            .unwrap_or_else(|_| {
-                Err(Failure {
-                    accepted,
-                    error: TransferError::LeaseExpired {
-                        lease_ms: cfg.lease_ms,
-                    }
-                    .into(),
-                })
-            });
+    let received = tokio::time::timeout(
+        lease,
+        receive(
+            &mut rd,
+            &mut wr,
+            (&mut tx, &mut rx),
+            &node,
+            &cfg,
+            &mut accepted,
+        ),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        Err(Failure {
+            accepted,
+            error: TransferError::LeaseExpired {
+                lease_ms: cfg.lease_ms,
+            }
+            .into(),
+        })
+    });
     let sub = match received {
         Ok(sub) => sub,
         Err(f) => {
             tracing::warn!("KV transfer refused: {}", f.error);
             metrics.transfer_failed(super::RECEIVE, &f.error);
             let kind = if f.accepted { Kind::Nack } else { Kind::Reject };
-            let _ = wire::write_frame(&mut wr, kind, &ErrorFrame { error: f.error }, &[]).await;
+            let _ = tx
+                .write_frame(&mut wr, kind, &ErrorFrame { error: f.error }, &[])
+                .await;
             // Closing with the sender's bytes unread would reset the connection, and a reset
             // can destroy the refusal before the sender reads it: end our side, then read
             // and drop what it still sends until it closes (bounded in time).
@@ -114,7 +147,7 @@ async fn handle(stream: TcpStream, node: Arc<Node>, cfg: TransferConfig) {
             return;
         }
     };
-    if wire::write_empty(&mut wr, Kind::Ack).await.is_err() {
+    if tx.write_empty(&mut wr, Kind::Ack).await.is_err() {
         // Prefill is gone: dropping the submission cancels the generation.
         metrics.transfer_failed(
             super::RECEIVE,
@@ -126,7 +159,14 @@ async fn handle(stream: TcpStream, node: Arc<Node>, cfg: TransferConfig) {
         .transfers_committed
         .get_or_create(&side(super::RECEIVE))
         .inc();
-    stream_events(sub, &mut rd, &mut wr, cfg.max_frame_bytes).await;
+    stream_events(
+        sub,
+        &mut rd,
+        &mut wr,
+        (&mut tx, &mut rx),
+        cfg.max_frame_bytes,
+    )
+    .await;
 }
 
 /// Send generation events until the end; stop (and so cancel) when prefill hangs up.
@@ -134,13 +174,14 @@ async fn stream_events(
     mut sub: Submission,
     rd: &mut BufReader<OwnedReadHalf>,
     wr: &mut OwnedWriteHalf,
+    (tx, rx): (&mut FrameWriter, &mut FrameReader),
     max_frame: usize,
 ) {
     loop {
         let ev = tokio::select! {
             ev = sub.events.recv() => ev,
             // Prefill sends nothing after the commit: any frame or EOF here means it left.
-            _ = wire::read_frame(rd, max_frame) => return,
+            _ = rx.read_frame(rd, max_frame) => return,
         };
         let wire_ev = match ev {
             None => WireEvent::Error(RuntimeError::Internal("engine dropped the request".into())),
@@ -150,7 +191,8 @@ async fn stream_events(
             },
         };
         let last = wire_ev.is_last();
-        if wire::write_frame(wr, Kind::Event, &wire_ev, &[])
+        if tx
+            .write_frame(wr, Kind::Event, &wire_ev, &[])
             .await
             .is_err()
             || last
@@ -163,6 +205,7 @@ async fn stream_events(
 async fn receive(
     rd: &mut BufReader<OwnedReadHalf>,
     wr: &mut OwnedWriteHalf,
+    (tx, rx): (&mut FrameWriter, &mut FrameReader),
     node: &Node,
     cfg: &TransferConfig,
     accepted: &mut bool,
@@ -171,24 +214,18 @@ async fn receive(
         accepted: false,
         error,
     };
-    let hello = match wire::read_frame(rd, cfg.max_frame_bytes)
+    // Only a peer holding the cluster's key can write this Hello, and only for this
+    // connection: the tenant below is the authenticated one.
+    let hello = wire::read_hello(rd, tx, rx, cfg.max_frame_bytes)
         .await
-        .map_err(before)?
-    {
-        Frame::Hello(h) => *h,
-        f => {
-            return Err(before(
-                TransferError::Protocol(format!("expected hello, got {}", f.kind())).into(),
-            ));
-        }
-    };
+        .map_err(before)?;
     let engine = node
         .text
         .get(&hello.model)
         .cloned()
         .ok_or_else(|| before(RuntimeError::UnknownModel(hello.model.clone())))?;
     let mut guard = admit(&engine, &hello).await.map_err(before)?;
-    wire::write_empty(wr, Kind::Accept)
+    tx.write_empty(wr, Kind::Accept)
         .await
         .map_err(|e| before(TransferError::PeerClosed(e.to_string()).into()))?;
     *accepted = true;
@@ -196,7 +233,7 @@ async fn receive(
         accepted: true,
         error,
     };
-    let logits = receive_pages(rd, &engine, &hello, &mut guard, cfg, node)
+    let logits = receive_pages(rd, rx, &engine, &hello, &mut guard, cfg, node)
         .await
         .map_err(after)?;
     let kv = guard.take();
@@ -279,21 +316,21 @@ async fn admit(engine: &Engine, hello: &Hello) -> Result<KvGuard, RuntimeError> 
 
 /// Receive one full page straight into page `index` of `seq`: first what the buffered
 /// reader already holds, then from the socket with non-blocking reads, each under the page's
-/// lock and owner check (never held across an await). Returns the page's xxh3, hashed
-/// piece by piece right after each read, while the bytes are still in cache.
+/// lock and owner check (never held across an await). Each read is fed to the frame's tail
+/// MAC right after it, as it lies in the pool and while it is still in cache.
 async fn read_full_page(
     rd: &mut BufReader<OwnedReadHalf>,
+    mac: &mut FrameHead,
     pool: &KvPool,
     seq: &SeqKv,
     index: usize,
-) -> Result<u64, RuntimeError> {
+) -> Result<(), RuntimeError> {
     let closed = |e: std::io::Error| RuntimeError::from(TransferError::PeerClosed(e.to_string()));
     let len = pool.wire_bytes(pool.page_size());
-    let mut hasher = wire::Checksum::new();
     let buffered = rd.buffer().len().min(len);
     pool.with_full_page_mut(seq, index, |page| {
         page[..buffered].copy_from_slice(&rd.buffer()[..buffered]);
-        hasher.update(&page[..buffered]);
+        mac.update(&page[..buffered]);
     })?;
     rd.consume(buffered);
     let mut got = buffered;
@@ -302,7 +339,7 @@ async fn read_full_page(
         let read = pool.with_full_page_mut(seq, index, |page| {
             let read = socket.try_read(&mut page[got..]);
             if let Ok(n) = read {
-                hasher.update(&page[got..got + n]);
+                mac.update(&page[got..got + n]);
             }
             read
         })?;
@@ -315,12 +352,13 @@ async fn read_full_page(
             Err(e) => return Err(closed(e)),
         }
     }
-    Ok(hasher.digest())
+    Ok(())
 }
 
 /// Receive every batch and the commit; verify all of it. Returns the logits.
 async fn receive_pages(
     rd: &mut BufReader<OwnedReadHalf>,
+    rx: &mut FrameReader,
     engine: &Engine,
     hello: &Hello,
     guard: &mut KvGuard,
@@ -335,9 +373,9 @@ async fn receive_pages(
     let mut bytes = 0u64;
     let protocol = |m: String| RuntimeError::from(TransferError::Protocol(m));
     let (commit, tail) = loop {
-        let head = wire::read_head(rd, cfg.max_frame_bytes).await?;
+        let mut head = rx.read_head(rd, cfg.max_frame_bytes).await?;
         if head.kind != Kind::Pages {
-            match wire::read_rest(rd, head).await? {
+            match head.read_rest(rd).await? {
                 Frame::Commit(c, tail) => break (c, tail),
                 f => return Err(protocol(format!("unexpected {} frame", f.kind()))),
             }
@@ -377,23 +415,23 @@ async fn receive_pages(
         }
         for p in &header.pages {
             let (index, in_page) = (p.index as usize, p.tokens as usize);
-            // Written into this sequence's own page and hashed there; nothing reads the
+            // Written into this sequence's own page and MAC'd there; nothing reads the
             // page unless the whole transfer verifies.
-            let sum = if in_page == page_size {
-                read_full_page(rd, &pool, guard.seq(), index).await?
+            if in_page == page_size {
+                read_full_page(rd, &mut head, &pool, guard.seq(), index).await?;
             } else {
                 partial.resize(pool.wire_bytes(in_page), 0);
                 rd.read_exact(&mut partial)
                     .await
                     .map_err(|e| TransferError::PeerClosed(e.to_string()))?;
-                pool.import_page(guard.seq(), index, in_page, &partial)?
-            };
-            if sum != p.checksum {
-                return Err(TransferError::Checksum { index: p.index }.into());
+                head.update(&partial);
+                pool.import_page(guard.seq(), index, in_page, &partial)?;
             }
             tokens += in_page;
         }
         bytes += head.tail_len as u64;
+        // The batch's bytes are authentic only now; a failure releases the guard's pages.
+        head.check_tail(rd).await?;
     };
     node.metrics
         .transfer_bytes
@@ -426,9 +464,6 @@ async fn receive_pages(
             "{} bytes of logits for a vocabulary of {vocab}",
             tail.len()
         )));
-    }
-    if wire::checksum(&tail) != commit.logits_checksum {
-        return Err(TransferError::LogitsChecksum.into());
     }
     let logits = tail
         .chunks_exact(4)

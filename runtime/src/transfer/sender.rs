@@ -11,7 +11,10 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use super::TransferConfig;
-use super::wire::{self, Commit, Frame, Hello, Kind, PageHeader, PagesHeader, WireEvent};
+use super::wire::{
+    self, Commit, Frame, FrameReader, FrameWriter, Hello, Kind, PageHeader, PagesHeader, TailMac,
+    WireEvent,
+};
 use crate::engine::{GenEvent, PrefillHandoff};
 use crate::error::{RuntimeError, TransferError};
 use crate::kv::{KvPool, Owner, PageRef};
@@ -44,6 +47,8 @@ impl DecodePeers {
 /// A connection to a decode node that acknowledged a transfer.
 pub struct Accepted {
     reader: BufReader<OwnedReadHalf>,
+    /// The rest of decode's frames are authenticated against this connection's state.
+    frames: FrameReader,
     // Kept so the connection stays open; dropping it tells decode to cancel.
     _writer: OwnedWriteHalf,
 }
@@ -170,6 +175,7 @@ async fn send_inner(
     cfg: &TransferConfig,
     metrics: &NodeMetrics,
 ) -> Result<Accepted, RuntimeError> {
+    let key = cfg.require_key()?;
     let stream = TcpStream::connect(peer)
         .await
         .map_err(|e| TransferError::Connect {
@@ -179,13 +185,13 @@ async fn send_inner(
     let _ = stream.set_nodelay(true);
     let (rd, mut wr) = stream.into_split();
     let mut rd = BufReader::new(rd);
-    let io = |e: std::io::Error| RuntimeError::from(TransferError::PeerClosed(e.to_string()));
     let pool = h.pool();
     let page_size = pool.page_size();
     let tokens = h.prompt.len();
     let layout = pool.layout();
-    let hello = Hello {
+    let mut hello = Hello {
         version: wire::PROTOCOL_VERSION,
+        nonce: [0; wire::NONCE_LEN],
         request: h.owner.request,
         tenant: h.owner.tenant.to_string(),
         model: model.to_string(),
@@ -198,26 +204,28 @@ async fn send_inner(
         dtype: wire::DTYPE.into(),
         params: h.params.clone(),
     };
-    wire::write_frame(&mut wr, Kind::Hello, &hello, &[])
-        .await
-        .map_err(io)?;
-    match wire::read_frame(&mut rd, cfg.max_frame_bytes).await? {
+    // Decode speaks first (its challenge); only a peer holding the cluster's key gets the
+    // Hello, and with it the tenant's prompt.
+    let (mut tx, mut rx) =
+        wire::write_hello(&mut rd, &mut wr, key, &mut hello, cfg.max_frame_bytes).await?;
+    match rx.read_frame(&mut rd, cfg.max_frame_bytes).await? {
         Frame::Accept => {}
         Frame::Reject(e) => return Err(e),
         f => return Err(unexpected(&f)),
     }
-    match stream_pages(h, &mut wr, cfg, metrics).await {
+    match stream_pages(h, &mut wr, &mut tx, cfg, metrics).await {
         Ok(()) => {}
-        // A decode node that refuses the transfer midway (a failed checksum, say) says why
-        // and closes; the write that found it closed is not the reason, its answer is.
+        // A decode node that refuses the transfer midway (a failed MAC, say) says why and
+        // closes; the write that found it closed is not the reason, its answer is.
         Err(e @ RuntimeError::Transfer(TransferError::PeerClosed(_))) => {
-            return Err(refusal(&mut rd, cfg).await.unwrap_or(e));
+            return Err(refusal(&mut rd, &mut rx, cfg).await.unwrap_or(e));
         }
         Err(e) => return Err(e),
     }
-    match wire::read_frame(&mut rd, cfg.max_frame_bytes).await? {
+    match rx.read_frame(&mut rd, cfg.max_frame_bytes).await? {
         Frame::Ack => Ok(Accepted {
             reader: rd,
+            frames: rx,
             _writer: wr,
         }),
         Frame::Nack(e) => Err(e),
@@ -228,11 +236,12 @@ async fn send_inner(
 /// The pages, then the commit with the logits. Batches bounded by bytes (at least one page
 /// each): TCP flow control makes a slow decode node slow us down. Full pages go to the
 /// socket straight from the pool, with non-blocking writes under the page's lock (never held
-/// across an await), so a page is read once for its checksum (leaving it in cache) and once
-/// by the kernel's copy; only a partial last page is copied out first.
+/// across an await), each written run MAC'd right after the kernel copied it (still in
+/// cache); only a partial last page is copied out first.
 async fn stream_pages(
     h: &PrefillHandoff,
     wr: &mut OwnedWriteHalf,
+    tx: &mut FrameWriter,
     cfg: &TransferConfig,
     metrics: &NodeMetrics,
 ) -> Result<(), RuntimeError> {
@@ -251,17 +260,14 @@ async fn stream_pages(
         let mut tail_len = 0;
         for (i, page) in h.pages.iter().enumerate().take(last).skip(first) {
             let in_page = page_size.min(tokens - i * page_size);
-            let checksum = if in_page == page_size {
-                pool.with_full_page(&h.owner, *page, wire::checksum)?
-            } else {
+            if in_page < page_size {
                 partial.clear();
-                pool.export_page(&h.owner, *page, in_page, &mut partial)?
-            };
+                pool.export_page(&h.owner, *page, in_page, &mut partial)?;
+            }
             tail_len += pool.wire_bytes(in_page);
             headers.push(PageHeader {
                 index: i as u32,
                 tokens: in_page as u32,
-                checksum,
             });
         }
         let header = PagesHeader {
@@ -269,16 +275,19 @@ async fn stream_pages(
             request: h.owner.request,
             pages: headers,
         };
-        wire::write_head(wr, Kind::Pages, &header, tail_len)
+        let mut mac = tx
+            .write_head(wr, Kind::Pages, &header, tail_len)
             .await
             .map_err(io)?;
         for (p, page) in header.pages.iter().zip(&h.pages[first..last]) {
             if p.tokens as usize == page_size {
-                write_full_page(wr, pool, &h.owner, *page, page_bytes).await?;
+                write_full_page(wr, &mut mac, pool, &h.owner, *page, page_bytes).await?;
             } else {
                 wr.write_all(&partial).await.map_err(io)?;
+                mac.update(&partial);
             }
         }
+        mac.finish(wr).await.map_err(io)?;
         sent += tail_len as u64;
         first = last;
     }
@@ -291,9 +300,8 @@ async fn stream_pages(
         token_count: tokens,
         page_count: h.pages.len(),
         bytes: sent,
-        logits_checksum: wire::checksum(logits),
     };
-    wire::write_frame(wr, Kind::Commit, &commit, logits)
+    tx.write_frame(wr, Kind::Commit, &commit, logits)
         .await
         .map_err(io)?;
     Ok(())
@@ -303,8 +311,12 @@ async fn stream_pages(
 const REFUSAL_WAIT: Duration = Duration::from_millis(500);
 
 /// The refusal a peer sent before closing, if one arrives within [`REFUSAL_WAIT`].
-async fn refusal(rd: &mut BufReader<OwnedReadHalf>, cfg: &TransferConfig) -> Option<RuntimeError> {
-    let frame = tokio::time::timeout(REFUSAL_WAIT, wire::read_frame(rd, cfg.max_frame_bytes));
+async fn refusal(
+    rd: &mut BufReader<OwnedReadHalf>,
+    rx: &mut FrameReader,
+    cfg: &TransferConfig,
+) -> Option<RuntimeError> {
+    let frame = tokio::time::timeout(REFUSAL_WAIT, rx.read_frame(rd, cfg.max_frame_bytes));
     match frame.await {
         Ok(Ok(Frame::Nack(e) | Frame::Reject(e))) => Some(e),
         _ => None,
@@ -312,9 +324,11 @@ async fn refusal(rd: &mut BufReader<OwnedReadHalf>, cfg: &TransferConfig) -> Opt
 }
 
 /// Send a full page straight from the pool: each non-blocking write runs under the page's
-/// read lock and owner check; waiting for the socket happens with the lock released.
+/// read lock and owner check, and MACs what it wrote; waiting for the socket happens with
+/// the lock released.
 async fn write_full_page(
     wr: &OwnedWriteHalf,
+    mac: &mut TailMac,
     pool: &KvPool,
     owner: &Owner,
     page: PageRef,
@@ -323,7 +337,14 @@ async fn write_full_page(
     let io = |e: std::io::Error| RuntimeError::from(TransferError::PeerClosed(e.to_string()));
     let mut sent = 0;
     while sent < len {
-        match pool.with_full_page(owner, page, |bytes| wr.try_write(&bytes[sent..]))? {
+        let written = pool.with_full_page(owner, page, |bytes| {
+            let n = wr.try_write(&bytes[sent..]);
+            if let Ok(n) = n {
+                mac.update(&bytes[sent..sent + n]);
+            }
+            n
+        })?;
+        match written {
             Ok(n) => sent += n,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 wr.writable().await.map_err(io)?
@@ -343,7 +364,7 @@ fn unexpected(f: &Frame) -> RuntimeError {
 async fn relay(mut conn: Accepted, out: UnboundedSender<GenEvent>, max_frame: usize) {
     loop {
         let frame = tokio::select! {
-            f = wire::read_frame(&mut conn.reader, max_frame) => f,
+            f = conn.frames.read_frame(&mut conn.reader, max_frame) => f,
             _ = out.closed() => return,
         };
         let ev = match frame {
