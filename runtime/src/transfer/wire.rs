@@ -734,11 +734,12 @@ mod tests {
             let hello = read_hello(&mut d, &mut tx, &mut rx, 1 << 20).await?;
             Ok::<_, RuntimeError>((tx, rx, hello))
         };
-        let prefill = async {
+        let prefill = async move {
             let mut hello = sample_hello();
             let r = write_hello(&mut pr, &mut pw, prefill_key, &mut hello, 1 << 20).await;
-            // Let decode's read end rather than wait for a Hello that never comes.
-            drop(pw);
+            // Let decode's read end rather than wait for a Hello that never comes: the
+            // stream closes only once both of its halves are gone.
+            drop((pr, pw));
             r
         };
         let (d, p) = tokio::join!(decode, prefill);
