@@ -141,6 +141,19 @@ impl ApiError {
         )
     }
 
+    /// 503/3042: the request ran, but its usage could not be made durable (the usage
+    /// journal's disk is full or failing), so it is not answered as a success.
+    pub fn usage_not_recorded(e: impl std::fmt::Display) -> Self {
+        tracing::error!("usage not recorded: {e}");
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            3042,
+            "usage_not_recorded",
+            "The request could not be metered, so it is not answered; please try again.",
+        )
+        .with_header(header::RETRY_AFTER, HeaderValue::from(1))
+    }
+
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(
             StatusCode::SERVICE_UNAVAILABLE,

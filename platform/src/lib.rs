@@ -16,6 +16,7 @@ pub mod routes;
 pub mod serve;
 pub mod state;
 pub mod store;
+pub mod usage_journal;
 pub mod usage_meter;
 pub mod web;
 pub mod workers;

@@ -14,6 +14,7 @@ use crate::inference::{Inference, TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
 use crate::limits::RateLimiter;
 use crate::redis_bus::RedisBus;
 use crate::store::{ModelRecord, Store, Visibility};
+use crate::usage_journal::UsageJournal;
 use crate::usage_meter::UsageMeter;
 
 /// Largest completion a bundled text model accepts per request.
@@ -81,7 +82,9 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
     }
     let nodes = Arc::new(crate::nodes::Registry::new(redis.clone()));
     nodes.spawn_sync();
-    let usage = Arc::new(UsageMeter::default());
+    let journal = UsageJournal::open(&cfg.data_dir().join("usage-journal"))?;
+    let watermark = store.journal_watermark(journal.id()).await?;
+    let usage = Arc::new(UsageMeter::with_journal(journal, watermark)?);
     usage.spawn_flusher(store.clone());
     let workers = crate::workers::WorkerHost::new(cfg.workers.clone(), &cfg.data_dir())?;
     workers.refresh(&store).await?;
@@ -180,9 +183,12 @@ pub async fn run(
     let served = axum::serve(listener, router(state.clone()))
         .with_graceful_shutdown(shutdown)
         .await;
+    // What the last requests counted goes to the database now; what cannot stays in the
+    // journal, replayed at the next start.
     if let Err(e) = state.inference.usage.flush(&state.store).await {
-        tracing::error!("usage of the last requests could not be written: {e}");
+        tracing::error!("usage of the last requests not written (kept in the journal): {e}");
     }
+    state.inference.usage.close();
     served
 }
 

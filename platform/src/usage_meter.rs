@@ -1,29 +1,89 @@
-//! Usage metering off the request path: each request adds its counts to an in-memory table,
-//! and a background task writes the table to the database in one transaction every
-//! [`FLUSH_EVERY`]. A request never waits on a usage write, and the database sees one
-//! upsert per (tenant, model, day) per interval instead of one per request.
+//! Usage metering: durable before a request's answer ends, written to the database off the
+//! request path.
 //!
-//! Nothing is dropped on a failed write: the batch goes back into the table and is retried
-//! with the next one. A graceful shutdown flushes what is left (`serve::run`); a crash loses
-//! at most one interval of counts, as any buffered meter does.
+//! Each request adds its counts to an in-memory table and its entry to the local journal
+//! (`usage_journal`), and waits (with every other request of the same group commit) only for
+//! the journal's `fdatasync`, never for the database. A background task writes the table to
+//! the database in one transaction every [`FLUSH_EVERY`], together with the number of the
+//! journal segment it covers; the journal then drops those segments. A crash loses nothing:
+//! a restart replays the segments past the database's watermark.
+//!
+//! Nothing is dropped on a failed database write: the batch goes back into the table and is
+//! retried with the next one (and stays in the journal until then).
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 
 use crate::store::{Store, StoreError, UsageCounts, UsageKey, now_ms, utc_day};
+use crate::usage_journal::{Entry, JournalError, UsageJournal};
 
 /// How often pending usage is written.
 pub const FLUSH_EVERY: Duration = Duration::from_millis(500);
 
 #[derive(Default)]
+struct Pending {
+    counts: HashMap<UsageKey, UsageCounts>,
+    /// The journal segment new entries go to; a flush closes it and opens the next.
+    segment: u64,
+}
+
+/// This replica's usage meter.
+#[derive(Default)]
 pub struct UsageMeter {
-    pending: Mutex<HashMap<UsageKey, UsageCounts>>,
+    pending: Mutex<Pending>,
+    /// One flush at a time: a later segment's watermark must never reach the database
+    /// before an earlier segment's counts.
+    flushing: tokio::sync::Mutex<()>,
+    /// `None` only where nothing needs to survive the process (unit tests, benches of parts).
+    journal: Option<UsageJournal>,
 }
 
 impl UsageMeter {
-    /// Count one request of `tenant` on `model` today (UTC).
+    /// A meter journaling to `journal`: what it recovered (segments past the database's
+    /// `watermark`) is pending, to be written with the first flush.
+    pub fn with_journal(journal: UsageJournal, watermark: u64) -> Result<Self, JournalError> {
+        let recovered = journal.recover(watermark)?;
+        if recovered.torn_lines > 0 {
+            tracing::warn!(
+                lines = recovered.torn_lines,
+                "usage journal: dropped lines cut short by a failed write (never acknowledged)"
+            );
+        }
+        let mut counts: HashMap<UsageKey, UsageCounts> = HashMap::new();
+        for e in &recovered.entries {
+            counts.entry(e.key()).or_default().add(&e.counts());
+        }
+        if !recovered.entries.is_empty() {
+            tracing::info!(
+                entries = recovered.entries.len(),
+                "usage journal: replaying requests not yet in the database"
+            );
+        }
+        let last = recovered.segments.iter().copied().max().unwrap_or(0);
+        journal.start(watermark);
+        Ok(UsageMeter {
+            pending: Mutex::new(Pending {
+                counts,
+                // Past every segment on disk and the watermark: a new segment.
+                segment: last.max(watermark) + 1,
+            }),
+            flushing: tokio::sync::Mutex::new(()),
+            journal: Some(journal),
+        })
+    }
+
+    /// The journal's id, the key of its watermark in the database.
+    pub fn journal_id(&self) -> Option<&str> {
+        self.journal.as_ref().map(|j| j.id())
+    }
+
+    /// Count one request of `tenant` on `model` today (UTC). Resolves once the count is
+    /// durable (on disk in the journal); an error means it could not be made so, and the
+    /// request must not be answered as a success.
     pub fn record(
         &self,
         tenant: &str,
@@ -31,47 +91,88 @@ impl UsageMeter {
         input_tokens: i64,
         output_tokens: i64,
         error: Option<&str>,
-    ) {
-        let key = UsageKey {
+    ) -> impl Future<Output = Result<(), JournalError>> + Send + 'static {
+        let entry = Entry {
             tenant_id: tenant.to_string(),
             model: model.to_string(),
             day: utc_day(now_ms()),
+            input_tokens: input_tokens.max(0),
+            output_tokens: output_tokens.max(0),
+            error: error.map(str::to_string),
         };
-        let mut pending = self.pending.lock();
-        let c = pending.entry(key).or_default();
-        c.requests += 1;
-        c.input_tokens += input_tokens.max(0);
-        c.output_tokens += output_tokens.max(0);
-        if let Some(code) = error {
-            *c.errors.entry(code.to_string()).or_default() += 1;
-        }
-    }
-
-    /// Write everything pending in one transaction. On failure the counts are put back, to
-    /// be written with the next flush.
-    pub async fn flush(&self, store: &Store) -> Result<(), StoreError> {
-        let batch: Vec<(UsageKey, UsageCounts)> = self.pending.lock().drain().collect();
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let result = store.add_usage(&batch).await;
-        if result.is_err() {
+        let durable = {
+            // One lock for the table and the journal's queue: a flush sees every entry of
+            // the segments it closes in the table, and no other.
             let mut pending = self.pending.lock();
-            for (k, c) in batch {
-                pending.entry(k).or_default().add(&c);
+            pending
+                .counts
+                .entry(entry.key())
+                .or_default()
+                .add(&entry.counts());
+            let segment = pending.segment;
+            self.journal.as_ref().map(|j| j.append(segment, &entry))
+        };
+        async move {
+            match durable {
+                None => Ok(()),
+                Some(rx) => rx
+                    .await
+                    .unwrap_or_else(|_| Err(JournalError("the journal writer stopped".into()))),
             }
         }
-        result
     }
 
-    /// Flush every [`FLUSH_EVERY`] until the process ends.
-    pub fn spawn_flusher(self: &std::sync::Arc<Self>, store: Store) {
-        let meter = self.clone();
+    /// Write everything pending in one transaction, with the journal segments it covers. On
+    /// failure the counts are put back, to be written with the next flush.
+    pub async fn flush(&self, store: &Store) -> Result<(), StoreError> {
+        let _one_at_a_time = self.flushing.lock().await;
+        let (batch, closed) = {
+            let mut pending = self.pending.lock();
+            if pending.counts.is_empty() {
+                return Ok(());
+            }
+            let closed = pending.segment;
+            pending.segment += 1;
+            let batch: Vec<(UsageKey, UsageCounts)> = pending.counts.drain().collect();
+            (batch, closed)
+        };
+        let applied = self.journal.as_ref().map(|j| (j.id(), closed));
+        match store.add_usage_from_journal(&batch, applied).await {
+            Ok(()) => {
+                if let Some(j) = &self.journal {
+                    j.applied(closed);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                let mut pending = self.pending.lock();
+                for (k, c) in batch {
+                    pending.counts.entry(k).or_default().add(&c);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Stop journaling (after the last flush of a shutdown): the journal's writer stops and
+    /// its directory is free for the next process.
+    pub fn close(&self) {
+        if let Some(j) = &self.journal {
+            j.close();
+        }
+    }
+
+    /// Flush every [`FLUSH_EVERY`] until the meter is dropped.
+    pub fn spawn_flusher(self: &Arc<Self>, store: Store) {
+        let meter = Arc::downgrade(self);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(FLUSH_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
+                let Some(meter) = meter.upgrade() else {
+                    return;
+                };
                 if let Err(e) = meter.flush(&store).await {
                     tracing::warn!("usage not written yet (kept for the next flush): {e}");
                 }

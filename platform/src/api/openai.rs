@@ -284,13 +284,15 @@ impl ChatRequest {
 pub async fn chat(inference: &Inference, tenant: &str, body: &[u8]) -> Result<Response, ApiError> {
     let req: ChatRequest = parse_json(body)?;
     let model = inference.resolve_model(tenant, &req.model)?;
-    log_user(req.user.as_deref()).inspect_err(|e| inference.refused(tenant, &model, e))?;
     let stream = req.stream;
     let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let input = req
-        .into_input()
-        .inspect_err(|e| inference.refused(tenant, &model, e))?;
-    let valid = inference.check_text(tenant, &model, input)?;
+    let checked = log_user(req.user.as_deref())
+        .and_then(|()| req.into_input())
+        .and_then(|input| inference.check_text(&model, input));
+    let valid = match checked {
+        Ok(v) => v,
+        Err(e) => return Err(inference.refused(tenant, &model, e).await),
+    };
     let mut generation = inference.generate(tenant, &model, valid).await?;
     let limit_headers = std::mem::take(&mut generation.limit_headers);
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
@@ -403,29 +405,28 @@ pub async fn embeddings(
 ) -> Result<Response, ApiError> {
     let req: EmbeddingsRequest = parse_json(body)?;
     let model = inference.resolve_model(tenant, &req.model)?;
-    log_user(req.user.as_deref()).inspect_err(|e| inference.refused(tenant, &model, e))?;
-    let base64 = match req.encoding_format.as_deref() {
-        None | Some("float") => false,
-        Some("base64") => true,
-        Some(other) => {
-            let e = ApiError::bad_field(
+    let checked = log_user(req.user.as_deref())
+        .and_then(|()| match req.encoding_format.as_deref() {
+            None | Some("float") => Ok(false),
+            Some("base64") => Ok(true),
+            Some(other) => Err(ApiError::bad_field(
                 "encoding_format",
                 format!("{other:?} is not supported (float or base64)"),
-            );
-            inference.refused(tenant, &model, &e);
-            return Err(e);
-        }
+            )),
+        })
+        .and_then(|base64| {
+            let input = EmbedInput {
+                texts: req.input.into_vec(),
+                texts_field: "input",
+                pooling: None,
+                dimensions: req.dimensions,
+            };
+            Ok((base64, inference.check_embed(&model, input)?))
+        });
+    let (base64, valid) = match checked {
+        Ok(v) => v,
+        Err(e) => return Err(inference.refused(tenant, &model, e).await),
     };
-    let valid = inference.check_embed(
-        tenant,
-        &model,
-        EmbedInput {
-            texts: req.input.into_vec(),
-            texts_field: "input",
-            pooling: None,
-            dimensions: req.dimensions,
-        },
-    )?;
     let embedded = inference.embed(tenant, &model, valid).await?;
     let items: Vec<Value> = embedded
         .data

@@ -207,27 +207,36 @@ pub enum RunOutput {
 }
 
 /// Resolve `model` for `tenant` (a private model is the same 400 as a missing one), parse
-/// `body` by its task and validate it.
-pub fn prepare(
+/// `body` by its task and validate it. A refusal is counted in the tenant's usage.
+pub async fn prepare(
     inference: &Inference,
     tenant: &str,
     model: &str,
     body: &[u8],
 ) -> Result<Prepared, ApiError> {
     let model = inference.resolve_model(tenant, model)?;
+    match parse_for_task(inference, &model, body) {
+        Ok(p) => Ok(p),
+        Err(e) => Err(inference.refused(tenant, &model, e).await),
+    }
+}
+
+fn parse_for_task(
+    inference: &Inference,
+    model: &ModelRecord,
+    body: &[u8],
+) -> Result<Prepared, ApiError> {
+    let model = model.clone();
     match model.task.as_str() {
         TASK_TEXT_GENERATION => {
             let (input, stream) = parse_json::<TextGenerationInput>(body)
-                .and_then(TextGenerationInput::into_input)
-                .inspect_err(|e| inference.refused(tenant, &model, e))?;
-            let req = inference.check_text(tenant, &model, input)?;
+                .and_then(TextGenerationInput::into_input)?;
+            let req = inference.check_text(&model, input)?;
             Ok(Prepared::Text { model, req, stream })
         }
         TASK_TEXT_EMBEDDINGS => {
-            let input: EmbeddingsInput =
-                parse_json(body).inspect_err(|e| inference.refused(tenant, &model, e))?;
+            let input: EmbeddingsInput = parse_json(body)?;
             let req = inference.check_embed(
-                tenant,
                 &model,
                 EmbedInput {
                     texts: input.text.into_vec(),

@@ -75,7 +75,8 @@ impl Inference {
         let node_time = started.elapsed();
         match result {
             Ok((data, tokens)) => {
-                self.meter(tenant, &model.name, tokens as i64, 0, None);
+                // Durable before the answer goes out (or the answer is an error).
+                self.meter(tenant, &model.name, tokens as i64, 0).await?;
                 Ok(Embedded {
                     data,
                     tokens,
@@ -83,10 +84,7 @@ impl Inference {
                     limit_headers,
                 })
             }
-            Err(e) => {
-                self.meter(tenant, &model.name, 0, 0, Some(e.kind));
-                Err(e)
-            }
+            Err(e) => Err(self.meter_failure(tenant, &model.name, 0, e).await),
         }
     }
 

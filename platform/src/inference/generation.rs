@@ -4,9 +4,12 @@
 //! queueing and prefill failure is still an error status. The [`Generation`] it returns is
 //! the one metered stream every surface formats its own way (Workers AI frames, OpenAI
 //! chunks, a worker's `AI.run`): its usage is recorded when it ends, with the error's code
-//! when it fails, and as `client_gone` when the client drops it before the end.
+//! when it fails, and as `client_gone` when the client drops it before the end. Its last
+//! event comes only once that usage is durable (`usage_meter`), so no answer ends before its
+//! usage is on disk; when it cannot be, the last event is an error, never `Done`.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -23,7 +26,11 @@ use crate::envelope::ApiError;
 use crate::limits::Task;
 use crate::nodes::{Attempt, RemoteNode};
 use crate::store::ModelRecord;
+use crate::usage_journal::JournalError;
 use crate::usage_meter::UsageMeter;
+
+/// A usage record on its way to disk.
+type Durable = Pin<Box<dyn Future<Output = Result<(), JournalError>> + Send>>;
 
 /// What a generation produces, in order: text pieces, then exactly one `Done` or `Failed`.
 #[derive(Debug)]
@@ -57,6 +64,8 @@ pub struct Generation {
     first: VecDeque<GenEvent>,
     rest: UnboundedReceiver<GenEvent>,
     ended: bool,
+    /// The last event, held until its usage is durable (boxed: it is rare and large).
+    last: Option<Box<(Durable, TextEvent)>>,
     /// The `x-ratelimit-*` headers for the response.
     pub limit_headers: HeaderMap,
 }
@@ -67,15 +76,16 @@ impl Generation {
         &self.model
     }
 
-    fn meter(&mut self, input: usize, output: usize, error: Option<&str>) {
+    /// Count the generation (once); the returned future resolves when that is durable.
+    fn meter(&mut self, input: usize, output: usize, error: Option<&str>) -> Durable {
         self.ended = true;
-        self.usage.record(
+        Box::pin(self.usage.record(
             &self.tenant,
             &self.model,
             input as i64,
             output as i64,
             error,
-        );
+        ))
     }
 
     /// The generation's full text, usage and finish reason, or its error. A stream that
@@ -110,6 +120,19 @@ impl futures::Stream for Generation {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<TextEvent>> {
         loop {
+            if let Some(last) = &mut self.last {
+                let recorded = std::task::ready!(last.0.as_mut().poll(cx));
+                let (_, event) = *self.last.take().expect("checked above");
+                return Poll::Ready(Some(match (recorded, event) {
+                    (Ok(()), event) => event,
+                    // A failure stays that failure; a success whose usage is not on disk
+                    // ends in an error instead.
+                    (Err(_), event @ TextEvent::Failed(_)) => event,
+                    (Err(e), TextEvent::Done { .. } | TextEvent::Text(_)) => {
+                        TextEvent::Failed(ApiError::usage_not_recorded(e))
+                    }
+                }));
+            }
             if self.ended {
                 return Poll::Ready(None);
             }
@@ -120,31 +143,36 @@ impl futures::Stream for Generation {
                     Poll::Ready(ev) => ev,
                 },
             };
-            let out = match ev {
+            let last = match ev {
                 Some(GenEvent::Admitted { .. } | GenEvent::Prefilled(_)) => continue,
-                Some(GenEvent::Token { text }) => TextEvent::Text(text),
+                Some(GenEvent::Token { text }) => return Poll::Ready(Some(TextEvent::Text(text))),
                 Some(GenEvent::Done {
                     usage,
                     finish_reason,
                 }) => {
-                    self.meter(usage.prompt_tokens, usage.completion_tokens, None);
-                    TextEvent::Done {
+                    let durable = self.meter(usage.prompt_tokens, usage.completion_tokens, None);
+                    let done = TextEvent::Done {
                         usage,
                         finish_reason,
-                    }
+                    };
+                    (durable, done)
                 }
                 Some(GenEvent::Error(e)) => {
                     let prompt = self.prompt_tokens;
-                    self.meter(prompt, 0, Some(e.code()));
-                    TextEvent::Failed(e.into())
+                    (
+                        self.meter(prompt, 0, Some(e.code())),
+                        TextEvent::Failed(e.into()),
+                    )
                 }
                 None => {
                     let prompt = self.prompt_tokens;
-                    self.meter(prompt, 0, Some("internal"));
-                    TextEvent::Failed(ApiError::internal("the engine dropped the request"))
+                    (
+                        self.meter(prompt, 0, Some("internal")),
+                        TextEvent::Failed(ApiError::internal("the engine dropped the request")),
+                    )
                 }
             };
-            return Poll::Ready(Some(out));
+            self.last = Some(Box::new(last));
         }
     }
 }
@@ -152,9 +180,10 @@ impl futures::Stream for Generation {
 impl Drop for Generation {
     fn drop(&mut self) {
         if !self.ended {
-            // The client left mid-generation: the request still counts.
+            // The client left mid-generation: the request still counts (queued for the
+            // journal now; nobody is left to wait for it).
             let prompt = self.prompt_tokens;
-            self.meter(prompt, 0, Some("client_gone"));
+            drop(self.meter(prompt, 0, Some("client_gone")));
         }
     }
 }
@@ -186,20 +215,19 @@ impl Inference {
                         first,
                         rest,
                         ended: false,
+                        last: None,
                         limit_headers,
                     });
                 }
                 // Never admitted there: another node may take it.
                 Err(Attempt::NotAdmitted(e)) => last_err = Some(e),
                 Err(Attempt::Failed(e)) => {
-                    self.meter(tenant, &model.name, 0, 0, Some(e.kind));
-                    return Err(e);
+                    return Err(self.meter_failure(tenant, &model.name, 0, e).await);
                 }
             }
         }
         let e = last_err.unwrap_or_else(|| ApiError::unavailable("no node available"));
-        self.meter(tenant, &model.name, 0, 0, Some(e.kind));
-        Err(e)
+        Err(self.meter_failure(tenant, &model.name, 0, e).await)
     }
 
     async fn start_remote(

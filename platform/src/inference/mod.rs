@@ -83,34 +83,69 @@ impl Inference {
         Err(e)
     }
 
-    /// [`validate_text`] for `tenant`; a refusal is counted in usage by its code, as every
-    /// request that reaches a model is.
+    /// [`validate_text`] against `model`'s catalog entry. A surface counts a refusal with
+    /// [`Self::refused`], as every request that reaches a model is counted.
     pub fn check_text(
         &self,
-        tenant: &str,
         model: &ModelRecord,
         input: TextInput,
     ) -> Result<ValidTextRequest, ApiError> {
-        validate_text(model, input).inspect_err(|e| self.refused(tenant, model, e))
+        validate_text(model, input)
     }
 
-    /// [`validate_embed`] for `tenant`, counted like [`Self::check_text`].
+    /// [`validate_embed`] against `model`'s catalog entry, like [`Self::check_text`].
     pub fn check_embed(
         &self,
-        tenant: &str,
         model: &ModelRecord,
         input: EmbedInput,
     ) -> Result<ValidEmbedRequest, ApiError> {
-        validate_embed(model, input).inspect_err(|e| self.refused(tenant, model, e))
+        validate_embed(model, input)
     }
 
-    /// Count a request to `model` refused before it ran (its input did not parse or check).
-    pub fn refused(&self, tenant: &str, model: &ModelRecord, e: &ApiError) {
-        self.meter(tenant, &model.name, 0, 0, Some(e.kind));
+    /// Count a request to `model` refused before it ran (its input did not parse or check),
+    /// durably, and hand its error back for the answer.
+    pub async fn refused(&self, tenant: &str, model: &ModelRecord, e: ApiError) -> ApiError {
+        self.meter_failure(tenant, &model.name, 0, e).await
     }
 
-    /// Count one request's usage; written to the store in the next batch (`usage_meter`).
-    pub fn meter(&self, tenant: &str, model: &str, input: i64, output: i64, error: Option<&str>) {
-        self.usage.record(tenant, model, input, output, error);
+    /// Count one request that succeeded; resolves once its usage is durable (the journal's
+    /// group commit, `usage_meter`). When it cannot be made durable the request must not be
+    /// answered as a success: the error says why (503/3042).
+    pub async fn meter(
+        &self,
+        tenant: &str,
+        model: &str,
+        input: i64,
+        output: i64,
+    ) -> Result<(), ApiError> {
+        self.usage
+            .record(tenant, model, input, output, None)
+            .await
+            .map_err(ApiError::usage_not_recorded)
+    }
+
+    /// Count one request that failed with `e` (durably, before its answer), and return `e`.
+    pub async fn meter_failure(
+        &self,
+        tenant: &str,
+        model: &str,
+        input: i64,
+        e: ApiError,
+    ) -> ApiError {
+        if let Err(j) = self
+            .usage
+            .record(tenant, model, input, 0, Some(e.kind))
+            .await
+        {
+            // The answer is an error either way; the count stays in the table for the
+            // database, only its durability before the answer is lost.
+            tracing::error!(
+                tenant,
+                model,
+                code = e.kind,
+                "usage of a failed request: {j}"
+            );
+        }
+        e
     }
 }

@@ -37,7 +37,7 @@ pub async fn run(
     let principal = auth::tenant_for_account(&state.store, &headers, &account_id).await?;
     let tenant = principal.tenant_id;
     let body = read_body(body).await?;
-    let prepared = wai::prepare(&state.inference, &tenant, &model, &body)?;
+    let prepared = wai::prepare(&state.inference, &tenant, &model, &body).await?;
     let (output, headers) = wai::execute(&state.inference, &tenant, prepared).await?;
     let mut resp = match output {
         RunOutput::Json(result) => ok(result),

@@ -229,14 +229,28 @@ const POSTGRES_WORKERS: &str = include_str!("../../../migrations/postgres/0002_w
 const SQLITE_NODE_TOKENS: &str = include_str!("../../../migrations/sqlite/0003_node_tokens.sql");
 const POSTGRES_NODE_TOKENS: &str =
     include_str!("../../../migrations/postgres/0003_node_tokens.sql");
+const SQLITE_USAGE_JOURNALS: &str =
+    include_str!("../../../migrations/sqlite/0004_usage_journals.sql");
+const POSTGRES_USAGE_JOURNALS: &str =
+    include_str!("../../../migrations/postgres/0004_usage_journals.sql");
 
 /// The embedded migrations of one backend (what `sqlx::migrate!` would build; built by hand
 /// because the workspace does not enable sqlx's `macros` feature). Checksums are the same as
 /// the macro's, so switching to it later is seamless.
 fn migrator(backend: Backend) -> Migrator {
-    let (init, workers, node_tokens) = match backend {
-        Backend::Sqlite => (SQLITE_INIT, SQLITE_WORKERS, SQLITE_NODE_TOKENS),
-        Backend::Postgres => (POSTGRES_INIT, POSTGRES_WORKERS, POSTGRES_NODE_TOKENS),
+    let (init, workers, node_tokens, usage_journals) = match backend {
+        Backend::Sqlite => (
+            SQLITE_INIT,
+            SQLITE_WORKERS,
+            SQLITE_NODE_TOKENS,
+            SQLITE_USAGE_JOURNALS,
+        ),
+        Backend::Postgres => (
+            POSTGRES_INIT,
+            POSTGRES_WORKERS,
+            POSTGRES_NODE_TOKENS,
+            POSTGRES_USAGE_JOURNALS,
+        ),
     };
     Migrator::with_migrations(vec![
         Migration::new(
@@ -258,6 +272,13 @@ fn migrator(backend: Backend) -> Migrator {
             Cow::Borrowed("node_tokens"),
             MigrationType::Simple,
             node_tokens.into_sql_str(),
+            false,
+        ),
+        Migration::new(
+            4,
+            Cow::Borrowed("usage_journals"),
+            MigrationType::Simple,
+            usage_journals.into_sql_str(),
             false,
         ),
     ])

@@ -96,6 +96,28 @@ impl Store {
 
     /// Add counts to many (tenant, model, day) rows in one transaction: all or nothing.
     pub async fn add_usage(&self, batch: &[(UsageKey, UsageCounts)]) -> Result<(), StoreError> {
+        self.add_usage_from_journal(batch, None).await
+    }
+
+    /// The last segment of journal `journal_id` whose counts are in the usage tables (0 for
+    /// a journal never seen).
+    pub async fn journal_watermark(&self, journal_id: &str) -> Result<u64, StoreError> {
+        let segment: Option<i64> =
+            sqlx::query_scalar("SELECT segment FROM usage_journals WHERE journal_id = $1")
+                .bind(journal_id)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(segment.unwrap_or(0).max(0) as u64)
+    }
+
+    /// [`Store::add_usage`], and, in the same transaction, journal `applied.0`'s watermark
+    /// raised to segment `applied.1`: the counts and the record that they are counted are
+    /// written together or not at all (`usage_journal`).
+    pub async fn add_usage_from_journal(
+        &self,
+        batch: &[(UsageKey, UsageCounts)],
+        applied: Option<(&str, u64)>,
+    ) -> Result<(), StoreError> {
         if let Some((k, _)) = batch.iter().find(|(k, _)| !valid_day(&k.day)) {
             return Err(StoreError::Other(format!(
                 "bad day {:?}, want YYYY-MM-DD",
@@ -135,6 +157,22 @@ impl Store {
                 .execute(&mut *tx)
                 .await?;
             }
+        }
+        if let Some((journal_id, segment)) = applied {
+            let segment = i64::try_from(segment)
+                .map_err(|_| StoreError::Other(format!("journal segment {segment} too large")))?;
+            sqlx::query(
+                "INSERT INTO usage_journals (journal_id, segment, updated_at) VALUES ($1, $2, $3) \
+                 ON CONFLICT (journal_id) DO UPDATE SET \
+                 segment = CASE WHEN excluded.segment > usage_journals.segment \
+                 THEN excluded.segment ELSE usage_journals.segment END, \
+                 updated_at = excluded.updated_at",
+            )
+            .bind(journal_id)
+            .bind(segment)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await?;
         }
         tx.commit().await?;
         Ok(())

@@ -136,7 +136,7 @@ impl AiCtx {
     ) -> Result<String, ApiError> {
         self.count_call()?;
         check_options(options)?;
-        let prepared = prepare(&self.inference, &self.tenant, model, inputs.as_bytes())?;
+        let prepared = prepare(&self.inference, &self.tenant, model, inputs.as_bytes()).await?;
         if prepared.streams() {
             return Err(ApiError::bad_field(
                 "stream",
@@ -157,7 +157,7 @@ impl AiCtx {
     ) -> Result<AiStream, ApiError> {
         self.count_call()?;
         check_options(options)?;
-        let prepared = prepare(&self.inference, &self.tenant, model, inputs.as_bytes())?;
+        let prepared = prepare(&self.inference, &self.tenant, model, inputs.as_bytes()).await?;
         if !prepared.streams() {
             let name = prepared.model().name.clone();
             return Err(

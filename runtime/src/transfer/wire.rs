@@ -863,7 +863,9 @@ mod tests {
     async fn a_peer_without_the_key_is_refused_both_ways() {
         let (ours, theirs) = (TransferKey::generate(), TransferKey::generate());
         // Prefill refuses a decode node that does not hold the key, before sending a Hello.
-        let err = connect(&theirs, &ours).await.err().expect("refused");
+        let Err(err) = connect(&theirs, &ours).await else {
+            panic!("a decode node without the key was not refused")
+        };
         assert_eq!(err_reason(err), "unauthenticated");
         // Decode refuses a Hello under another key, whatever it claims.
         let (mut d, mut p) = tokio::io::duplex(1 << 16);

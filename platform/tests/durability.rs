@@ -1,0 +1,418 @@
+//! Nothing lost under faults: usage is durable before an answer ends.
+//!
+//! - `bulkhead serve` killed with SIGKILL right after its last answer: after a restart on
+//!   the same data, usage counts every answered request, exactly once.
+//! - The usage journal on a full disk (`/dev/full`): requests fail with 503/3042, a stream
+//!   ends with an error event instead of `[DONE]`, never a 200 whose usage is not on disk;
+//!   once the disk has room again, requests succeed and every one is counted.
+//! - The journal's recovery: a crash between the database write and the segment deletion
+//!   does not count twice; a torn last line is dropped.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bulkhead_platform::config::ServeConfig;
+use bulkhead_platform::store::Store;
+use bulkhead_platform::usage_journal::UsageJournal;
+use bulkhead_platform::usage_meter::UsageMeter;
+use common::server::Server;
+use serde_json::{Value, json};
+
+const EMBED: &str = "@cf/sentence-transformers/all-minilm-l6-v2";
+const TEXT: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
+const ADMIN: &str = "durability-admin-token";
+
+fn data_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "bulkhead-durability-{tag}-{}-{}",
+        std::process::id(),
+        common::rand_suffix()
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `bulkhead serve` as an operator runs it, with only the embedding model.
+fn spawn_serve(data: &std::path::Path) -> (Child, String) {
+    let config = data.join("serve.toml");
+    std::fs::write(
+        &config,
+        format!("[node]\ntext_models = []\n[[node.embedding_models]]\nname = \"{EMBED}\"\n"),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env("BULKHEAD_DATA", data)
+        .env("BULKHEAD_LISTEN", "127.0.0.1:0")
+        .env("BULKHEAD_ADMIN_TOKEN", ADMIN)
+        .env("RUST_LOG", "info")
+        .env("BULKHEAD_LOG_FORMAT", "json")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The listening address is in the log; the rest of the log is drained so the child
+    // never blocks on a full pipe.
+    let (tx, rx) = std::sync::mpsc::channel();
+    for out in [
+        Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+        Box::new(child.stderr.take().unwrap()),
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Some(i) = line.find("http://127.0.0.1:") {
+                    let addr: String = line[i..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || ":/.".contains(*c))
+                        .collect();
+                    let _ = tx.send(addr);
+                }
+            }
+        });
+    }
+    let url = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("bulkhead serve printed its address");
+    (child, url)
+}
+
+async fn wait_healthy(http: &reqwest::Client, url: &str) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while http.get(format!("{url}/health")).send().await.is_err() {
+        assert!(Instant::now() < deadline, "{url} never became healthy");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn admin(
+    http: &reqwest::Client,
+    url: &str,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> Value {
+    let mut r = http
+        .request(method, format!("{url}{path}"))
+        .bearer_auth(ADMIN);
+    if let Some(b) = body {
+        r = r.json(&b);
+    }
+    let resp = r.send().await.unwrap();
+    assert!(resp.status().is_success(), "{path}: {}", resp.status());
+    resp.json().await.unwrap()
+}
+
+/// Requests counted for `account` on `model`, all days.
+async fn counted(http: &reqwest::Client, url: &str, account: &str, model: &str) -> i64 {
+    let v = admin(http, url, reqwest::Method::GET, "/admin/v1/usage", None).await;
+    v["result"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["tenant_id"] == account && r["model"] == model)
+        .map(|r| r["requests"].as_i64().unwrap())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn usage_of_every_answered_request_survives_kill_9() {
+    let data = data_dir("kill9");
+    let http = reqwest::Client::new();
+    let (mut child, url) = spawn_serve(&data);
+    wait_healthy(&http, &url).await;
+    let tenant = admin(
+        &http,
+        &url,
+        reqwest::Method::POST,
+        "/admin/v1/tenants",
+        Some(json!({"name": "kill9"})),
+    )
+    .await;
+    let account = tenant["result"]["id"].as_str().unwrap().to_string();
+    let token = admin(
+        &http,
+        &url,
+        reqwest::Method::POST,
+        &format!("/admin/v1/tenants/{account}/tokens"),
+        Some(json!({"name": "t"})),
+    )
+    .await["result"]["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // 200 embeddings from 8 clients at once; count what was answered 200.
+    let run = format!("{url}/client/v4/accounts/{account}/ai/run/{EMBED}");
+    let mut clients = Vec::new();
+    for c in 0..8 {
+        let (http, run, token) = (http.clone(), run.clone(), token.clone());
+        clients.push(tokio::spawn(async move {
+            let mut ok = 0;
+            for i in 0..25 {
+                let r = http
+                    .post(&run)
+                    .bearer_auth(&token)
+                    .json(&json!({"text": format!("client {c} request {i}")}))
+                    .send()
+                    .await
+                    .unwrap();
+                if r.status() == 200 {
+                    ok += 1;
+                }
+            }
+            ok
+        }));
+    }
+    let mut answered = 0;
+    for c in clients {
+        answered += c.await.unwrap();
+    }
+    // No graceful shutdown: whatever was only in memory is gone.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(answered, 200, "every request is served");
+
+    let (mut child, url) = spawn_serve(&data);
+    wait_healthy(&http, &url).await;
+    // The replayed counts reach the database with the first flush.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut n = counted(&http, &url, &account, EMBED).await;
+    while n < answered && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        n = counted(&http, &url, &account, EMBED).await;
+    }
+    // And stays exact: nothing counted twice by a later flush.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let settled = counted(&http, &url, &account, EMBED).await;
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(
+        (n, settled),
+        (answered, answered),
+        "usage after kill -9 and restart"
+    );
+}
+
+fn serve_config(data: &std::path::Path) -> ServeConfig {
+    let mut cfg = ServeConfig {
+        data_dir: Some(data.to_path_buf()),
+        admin_token: Some(ADMIN.into()),
+        ..ServeConfig::default()
+    };
+    cfg.node.text_models[0].context_window = Some(256);
+    cfg
+}
+
+/// The segment file the journal opens next, made a link to `/dev/full`: every write to it
+/// fails with ENOSPC, as on a full disk.
+fn fill_the_journal_disk(data: &std::path::Path) -> std::path::PathBuf {
+    let dir = data.join("usage-journal");
+    let next = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| {
+            e.unwrap()
+                .file_name()
+                .to_str()?
+                .strip_suffix(".log")?
+                .parse::<u64>()
+                .ok()
+        })
+        .max()
+        .unwrap_or(0)
+        + 1;
+    let link = dir.join(format!("{next:020}.log"));
+    std::os::unix::fs::symlink("/dev/full", &link).unwrap();
+    link
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_journal_disk_fails_requests_instead_of_answering_200() {
+    let data = data_dir("full");
+    let srv = Server::start_with(serve_config(&data)).await;
+    let (account, _, token) = srv.tenant("full").await;
+    let full = fill_the_journal_disk(&data);
+
+    let run = |model: &str, body: Value| {
+        srv.http
+            .post(srv.url(&format!("/client/v4/accounts/{account}/ai/run/{model}")))
+            .bearer_auth(&token)
+            .json(&body)
+            .send()
+    };
+    let r = run(EMBED, json!({"text": "a cat"})).await.unwrap();
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["success"], false, "{v}");
+    assert_eq!(v["errors"][0]["code"], 3042, "{v}");
+    let r = run(
+        TEXT,
+        json!({"prompt": "hi", "max_tokens": 3, "temperature": 0}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 503, "{}", r.text().await.unwrap());
+    // A stream's status is sent with its first token: it ends with an error event, never
+    // with a clean [DONE].
+    let r = run(
+        TEXT,
+        json!({"prompt": "hi", "max_tokens": 3, "temperature": 0, "stream": true}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 200);
+    let body = r.text().await.unwrap();
+    assert!(!body.contains("[DONE]"), "{body}");
+    assert!(body.contains("3042"), "{body}");
+    // OpenAI's surface too.
+    let r = srv
+        .http
+        .post(srv.url("/v1/embeddings"))
+        .bearer_auth(&token)
+        .json(&json!({"model": EMBED, "input": "a dog"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+
+    // Room again: requests succeed, and every request above is counted (the counts never
+    // left the meter's table; only their durability before the answer was refused).
+    std::fs::remove_file(&full).unwrap();
+    srv.state
+        .inference
+        .usage
+        .flush(&srv.state.store)
+        .await
+        .unwrap();
+    let r = run(EMBED, json!({"text": "a cat"})).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let data = srv.stop().await;
+    let store = Store::connect(&format!("sqlite://{}", data.join("bulkhead.db").display()))
+        .await
+        .unwrap();
+    let rows = store.usage(Some(&account)).await.unwrap();
+    let requests = |model: &str| -> i64 {
+        rows.iter()
+            .filter(|r| r.model == model)
+            .map(|r| r.requests)
+            .sum()
+    };
+    assert_eq!((requests(EMBED), requests(TEXT)), (3, 2), "{rows:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_replays_what_the_database_lacks_exactly_once() {
+    let data = data_dir("replay");
+    let store = Store::connect(&format!("sqlite://{}", data.join("db.sqlite").display()))
+        .await
+        .unwrap();
+    let dir = data.join("journal");
+    let requests = |store: Store| async move {
+        store
+            .usage(Some("t"))
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.requests)
+            .sum::<i64>()
+    };
+
+    // Three requests journaled, one flushed; the process "crashes" (nothing else runs).
+    let journal = UsageJournal::open(&dir).unwrap();
+    let id = journal.id().to_string();
+    let meter = UsageMeter::with_journal(journal, 0).unwrap();
+    meter.record("t", EMBED, 5, 0, None).await.unwrap();
+    meter.flush(&store).await.unwrap();
+    meter.record("t", EMBED, 5, 0, None).await.unwrap();
+    meter
+        .record("t", EMBED, 5, 0, Some("bad_input"))
+        .await
+        .unwrap();
+    meter.close();
+    drop(meter);
+    assert_eq!(requests(store.clone()).await, 1);
+
+    // A torn line at the end (a write cut short, never acknowledged) is dropped.
+    let newest = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.unwrap().file_name().into_string().ok())
+        .filter(|n| n.ends_with(".log"))
+        .max()
+        .unwrap();
+    use std::io::Write;
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(dir.join(newest))
+        .unwrap()
+        .write_all(b"{\"t\":\"t\",\"m\":")
+        .unwrap();
+
+    // Restart: the two unflushed requests are replayed, with the same journal id.
+    let journal = UsageJournal::open(&dir).unwrap();
+    assert_eq!(journal.id(), id, "the journal keeps its id");
+    let watermark = store.journal_watermark(&id).await.unwrap();
+    assert!(watermark >= 1);
+    let meter = UsageMeter::with_journal(journal, watermark).unwrap();
+    meter.flush(&store).await.unwrap();
+    assert_eq!(requests(store.clone()).await, 3);
+    meter.close();
+    drop(meter);
+
+    // A crash after the database write but before the segments' deletion: the files are
+    // still there at the next start, and the watermark keeps them from counting twice.
+    let journal = UsageJournal::open(&dir).unwrap();
+    let watermark = store.journal_watermark(&id).await.unwrap();
+    let meter = UsageMeter::with_journal(journal, watermark).unwrap();
+    meter.record("t", EMBED, 5, 0, None).await.unwrap();
+    meter.record("t", EMBED, 5, 0, None).await.unwrap();
+    let before_deletion = segments(&dir);
+    assert!(!before_deletion.is_empty());
+    meter.flush(&store).await.unwrap();
+    meter.close();
+    drop(meter);
+    assert_eq!(requests(store.clone()).await, 5);
+    for (path, bytes) in &before_deletion {
+        std::fs::write(path, bytes).unwrap();
+    }
+    let journal = UsageJournal::open(&dir).unwrap();
+    let watermark = store.journal_watermark(&id).await.unwrap();
+    let meter = UsageMeter::with_journal(journal, watermark).unwrap();
+    meter.flush(&store).await.unwrap();
+    meter.close();
+    let rows = store.usage(Some("t")).await.unwrap();
+    let errors: i64 = rows
+        .iter()
+        .map(|r| r.errors.get("bad_input").copied().unwrap_or(0))
+        .sum();
+    assert_eq!((requests(store.clone()).await, errors), (5, 1), "{rows:?}");
+    assert!(segments(&dir).is_empty(), "applied segments are deleted");
+}
+
+/// The journal's segment files and their contents.
+fn segments(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .map(|p| {
+            let bytes = std::fs::read(&p).unwrap();
+            (p, bytes)
+        })
+        .collect()
+}
+
+#[test]
+fn two_processes_never_share_a_journal() {
+    let dir = data_dir("lock").join("journal");
+    let first = UsageJournal::open(&dir).unwrap();
+    let second = UsageJournal::open(&dir)
+        .err()
+        .expect("the directory is taken");
+    assert!(second.to_string().contains("in use"), "{second}");
+    first.close();
+    UsageJournal::open(&dir).expect("free again after close");
+}
