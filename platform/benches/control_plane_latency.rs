@@ -200,6 +200,10 @@ fn main() {
         pg.redis_url = Some("redis://127.0.0.1:6379".into());
         pg.redis_prefix = format!("bulkhead-bench-{}", std::process::id());
         setups.push(("postgres + redis", pg));
+        // Usage in the page cache before the answer, on the disk within 100 ms.
+        let mut written = config("sqlite-write");
+        written.usage_sync = bulkhead_platform::usage_journal::SyncMode::Write;
+        setups.push(("sqlite, usage_sync=write", written));
         let mut outside = Vec::new();
         println!("end to end (ms)");
         print_header();

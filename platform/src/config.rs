@@ -27,6 +27,8 @@ pub struct ServeConfig {
     pub node: NodeConfig,
     /// Tenants' workers: limits, defaults and the instance pool.
     pub workers: crate::workers::WorkersConfig,
+    /// How far a request's usage is written before its answer ends (`usage_journal`).
+    pub usage_sync: crate::usage_journal::SyncMode,
 }
 
 impl Default for ServeConfig {
@@ -41,6 +43,7 @@ impl Default for ServeConfig {
             limits: RateLimits::default(),
             node: NodeConfig::default(),
             workers: Default::default(),
+            usage_sync: Default::default(),
         }
     }
 }

@@ -82,7 +82,7 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
     }
     let nodes = Arc::new(crate::nodes::Registry::new(redis.clone()));
     nodes.spawn_sync();
-    let journal = UsageJournal::open(&cfg.data_dir().join("usage-journal"))?;
+    let journal = UsageJournal::open(&cfg.data_dir().join("usage-journal"), cfg.usage_sync)?;
     let watermark = store.journal_watermark(journal.id()).await?;
     let usage = Arc::new(UsageMeter::with_journal(journal, watermark)?);
     usage.spawn_flusher(store.clone());

@@ -1,14 +1,16 @@
 //! The usage journal: each request's usage is on local disk before its answer ends, and the
 //! request path still never waits on the database.
 //!
-//! Entries (one JSON line each) go into numbered segment files under `{data}/usage-journal/`.
-//! One writer thread appends whatever has queued up since its last write and makes it
-//! durable with one `fdatasync` (a group commit), then tells every request in that group.
-//! The meter's flush (`usage_meter`) closes the current segment, writes the counts of every
-//! closed segment to the database together with the number of the last one (the journal's
-//! watermark, in the same transaction), and then the segments up to it are deleted. At start
-//! the segments past the database's watermark are replayed into the store: a crash anywhere
-//! (before the write, between the write and the deletion) neither loses nor double-counts.
+//! Entries (one JSON line each, numbered by a sequence number) are appended to segment files
+//! under `{data}/usage-journal/`, each named by the first number in it. One writer thread
+//! appends whatever has queued up since its last write and makes it durable with one
+//! `fdatasync` (a group commit), then answers every request in that group. The meter's flush
+//! (`usage_meter`) writes its table to the database together with the number of the last
+//! entry it covers (the journal's watermark, in the same transaction); segments wholly at or
+//! under the watermark are then deleted. At start the entries past the database's watermark
+//! are replayed: a crash anywhere (before the database write, between it and the deletion)
+//! neither loses nor double-counts. A segment is closed once it passes
+//! [`SEGMENT_BYTES`], so a new file (and the directory sync it needs) is rare.
 //!
 //! A replica owns its journal directory through an exclusive lock on `LOCK`; its id (in
 //! `ID`) keys the watermark, so replicas sharing a database never confuse their journals.
@@ -24,7 +26,27 @@ use tokio::sync::oneshot;
 
 use crate::store::{UsageCounts, UsageKey};
 
-/// Why a request's usage could not be made durable (disk full, I/O error, writer gone).
+/// A segment is closed, and the next entry starts a new one, past this size.
+pub const SEGMENT_BYTES: u64 = 8 << 20;
+
+/// How far a request's usage is written before its answer ends (`usage_sync` in the serve
+/// config). Either way it survives the process: a crash, `kill -9`, an OOM kill.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncMode {
+    /// On the disk itself (`fdatasync` of each group) before the answer ends: it also
+    /// survives the machine losing power. Costs the disk's flush latency per request.
+    #[default]
+    Fdatasync,
+    /// In the kernel's page cache (`write`) before the answer ends, on the disk within
+    /// [`BACKGROUND_SYNC`]: a power loss may lose that much.
+    Write,
+}
+
+/// How often [`SyncMode::Write`] makes what was written durable.
+pub const BACKGROUND_SYNC: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Why a request's usage could not be made durable (disk full, I/O error, journal closed).
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("usage journal: {0}")]
 pub struct JournalError(pub Arc<str>);
@@ -32,6 +54,9 @@ pub struct JournalError(pub Arc<str>);
 /// One request's usage, as a journal line.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Entry {
+    /// Its sequence number in this journal: 1, 2, ... without gaps.
+    #[serde(rename = "s")]
+    pub seq: u64,
     #[serde(rename = "t")]
     pub tenant_id: String,
     #[serde(rename = "m")]
@@ -70,18 +95,17 @@ impl Entry {
     }
 }
 
-/// Entries of one segment waiting for the writer, and who waits on them.
-struct Chunk {
-    segment: u64,
-    bytes: Vec<u8>,
-    waiters: Vec<oneshot::Sender<Result<(), JournalError>>>,
-}
+type Waiter = oneshot::Sender<Result<(), JournalError>>;
 
+/// What the writer has to do next.
 #[derive(Default)]
 struct Queue {
-    chunks: Vec<Chunk>,
-    /// Delete the segments up to this one (their counts are in the database).
-    delete_upto: Option<u64>,
+    /// Lines not written yet, in sequence order, and the number of the first.
+    bytes: Vec<u8>,
+    first_seq: u64,
+    waiters: Vec<Waiter>,
+    /// Delete the segments whose entries are all at or under this number.
+    applied: Option<u64>,
     closing: bool,
 }
 
@@ -94,18 +118,19 @@ struct Shared {
 pub struct UsageJournal {
     id: String,
     dir: PathBuf,
+    sync: SyncMode,
     shared: Arc<Shared>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Held until [`UsageJournal::close`]: the directory is this journal's alone.
     lock: Mutex<Option<File>>,
 }
 
-/// What is on disk when a journal opens: entries of the segments past the watermark.
+/// What is on disk when a journal opens.
 pub struct Recovered {
-    /// Every segment found (the ones at or under the watermark are already in the database).
-    pub segments: Vec<u64>,
-    /// The entries of the segments past the watermark, in order.
+    /// The entries past the watermark, in order.
     pub entries: Vec<Entry>,
+    /// The highest sequence number on disk (0 when there is none).
+    pub last_seq: u64,
     /// Lines that were not whole entries: a write cut short, never acknowledged.
     pub torn_lines: usize,
 }
@@ -113,7 +138,7 @@ pub struct Recovered {
 impl UsageJournal {
     /// Open (or create) the journal in `dir`, taking its lock. Fails when another process
     /// holds it: two replicas must not share one journal.
-    pub fn open(dir: &Path) -> Result<UsageJournal, JournalError> {
+    pub fn open(dir: &Path, sync: SyncMode) -> Result<UsageJournal, JournalError> {
         std::fs::create_dir_all(dir).map_err(|e| io_error("creating the directory", e))?;
         let lock = OpenOptions::new()
             .create(true)
@@ -143,6 +168,7 @@ impl UsageJournal {
         Ok(UsageJournal {
             id,
             dir: dir.to_path_buf(),
+            sync,
             shared: Arc::new(Shared {
                 queue: Mutex::new(Queue::default()),
                 wake: Condvar::new(),
@@ -157,15 +183,13 @@ impl UsageJournal {
         &self.id
     }
 
-    /// Read every segment on disk; entries of segments after `watermark` are returned.
+    /// Read every segment on disk: the entries after `watermark` are returned.
     pub fn recover(&self, watermark: u64) -> Result<Recovered, JournalError> {
-        let mut segments = list_segments(&self.dir).map_err(|e| io_error("listing", e))?;
-        segments.sort_unstable();
         let mut entries = Vec::new();
         let mut torn_lines = 0;
-        for &s in segments.iter().filter(|&&s| s > watermark) {
-            let file = File::open(segment_path(&self.dir, s))
-                .map_err(|e| io_error("opening a segment", e))?;
+        let mut last_seq = 0;
+        for (_, path) in segments(&self.dir).map_err(|e| io_error("listing", e))? {
+            let file = File::open(&path).map_err(|e| io_error("opening a segment", e))?;
             let mut reader = BufReader::new(file);
             let mut line = Vec::new();
             loop {
@@ -182,38 +206,41 @@ impl UsageJournal {
                     .strip_suffix(b"\n")
                     .map(serde_json::from_slice::<Entry>)
                 {
-                    Some(Ok(e)) => entries.push(e),
+                    Some(Ok(e)) => {
+                        last_seq = last_seq.max(e.seq);
+                        if e.seq > watermark {
+                            entries.push(e);
+                        }
+                    }
                     _ => torn_lines += 1,
                 }
             }
         }
         Ok(Recovered {
-            segments,
             entries,
+            last_seq,
             torn_lines,
         })
     }
 
-    /// Delete the segments the database already has (up to `watermark`), then start the
-    /// writer thread.
+    /// Delete the segments the database already has (at or under `watermark`), then start
+    /// the writer thread.
     pub fn start(&self, watermark: u64) {
         let mut none = None;
-        delete_segments(&self.dir, watermark, &mut none);
+        delete_applied(&self.dir, watermark, &mut none);
         let shared = self.shared.clone();
         let dir = self.dir.clone();
+        let sync = self.sync;
         let handle = std::thread::Builder::new()
             .name("usage-journal".into())
-            .spawn(move || write_loop(&shared, &dir))
+            .spawn(move || write_loop(&shared, &dir, sync))
             .expect("spawning the usage journal writer");
         *self.writer.lock() = Some(handle);
     }
 
-    /// Queue `entry` in `segment`; the receiver answers once it is durable (or failed).
-    pub fn append(
-        &self,
-        segment: u64,
-        entry: &Entry,
-    ) -> oneshot::Receiver<Result<(), JournalError>> {
+    /// Queue `entry` (whose number follows the last one's); the receiver answers once it is
+    /// durable, or failed.
+    pub fn append(&self, entry: &Entry) -> oneshot::Receiver<Result<(), JournalError>> {
         let (tx, rx) = oneshot::channel();
         let mut line = serde_json::to_vec(entry).expect("an entry serializes");
         line.push(b'\n');
@@ -222,26 +249,20 @@ impl UsageJournal {
             let _ = tx.send(Err(JournalError("the journal is closed".into())));
             return rx;
         }
-        match q.chunks.last_mut() {
-            Some(c) if c.segment == segment => {
-                c.bytes.extend_from_slice(&line);
-                c.waiters.push(tx);
-            }
-            _ => q.chunks.push(Chunk {
-                segment,
-                bytes: line,
-                waiters: vec![tx],
-            }),
+        if q.bytes.is_empty() {
+            q.first_seq = entry.seq;
         }
+        q.bytes.extend_from_slice(&line);
+        q.waiters.push(tx);
         drop(q);
         self.shared.wake.notify_one();
         rx
     }
 
-    /// The counts of every segment up to `segment` are in the database: delete those files.
-    pub fn applied(&self, segment: u64) {
+    /// Every entry up to `seq` is counted in the database: its segments may go.
+    pub fn applied(&self, seq: u64) {
         let mut q = self.shared.queue.lock();
-        q.delete_upto = Some(q.delete_upto.map_or(segment, |d| d.max(segment)));
+        q.applied = Some(q.applied.map_or(seq, |a| a.max(seq)));
         drop(q);
         self.shared.wake.notify_one();
     }
@@ -268,22 +289,21 @@ fn io_error(what: &str, e: std::io::Error) -> JournalError {
     JournalError(format!("{what}: {e}").into())
 }
 
-fn segment_path(dir: &Path, segment: u64) -> PathBuf {
-    dir.join(format!("{segment:020}.log"))
-}
-
-fn list_segments(dir: &Path) -> std::io::Result<Vec<u64>> {
+/// The segment files, by the number of their first entry.
+fn segments(dir: &Path) -> std::io::Result<Vec<(u64, PathBuf)>> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir)? {
-        let name = e?.file_name();
-        if let Some(n) = name
-            .to_str()
+        let path = e?.path();
+        let first = path
+            .file_name()
+            .and_then(|n| n.to_str())
             .and_then(|n| n.strip_suffix(".log"))
-            .and_then(|n| n.parse().ok())
-        {
-            out.push(n);
+            .and_then(|n| n.parse().ok());
+        if let Some(first) = first {
+            out.push((first, path));
         }
     }
+    out.sort_unstable();
     Ok(out)
 }
 
@@ -300,74 +320,21 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 
 /// The segment file being appended to.
 struct Open {
-    segment: u64,
+    first_seq: u64,
     file: File,
     /// Bytes known good: a failed write is cut back to here.
     len: u64,
+    /// A failed write could not be cut back: the next write starts with a newline, which
+    /// ends the torn line (replay skips it).
+    torn: bool,
+    /// A write failed: the next one opens the file again by its name (an operator may have
+    /// replaced what was behind it).
+    failed: bool,
 }
 
-/// The writer thread: take everything queued, append it, `fdatasync` once, answer every
-/// waiter; then delete what the database has. Until `close`.
-fn write_loop(shared: &Shared, dir: &Path) {
-    let mut open: Option<Open> = None;
-    loop {
-        let (chunks, delete_upto, closing) = {
-            let mut q = shared.queue.lock();
-            while q.chunks.is_empty() && q.delete_upto.is_none() && !q.closing {
-                shared.wake.wait(&mut q);
-            }
-            (
-                std::mem::take(&mut q.chunks),
-                q.delete_upto.take(),
-                q.closing,
-            )
-        };
-        let mut done = Vec::new();
-        let mut result: Result<(), JournalError> = Ok(());
-        for chunk in chunks {
-            if result.is_ok() {
-                result = append_chunk(dir, &mut open, &chunk);
-            }
-            done.push(chunk.waiters);
-        }
-        if result.is_ok()
-            && let Some(o) = &open
-        {
-            // One fdatasync for the whole group (the segment switches above synced theirs).
-            result = o.file.sync_data().map_err(|e| io_error("fdatasync", e));
-        }
-        if let Err(e) = &result {
-            tracing::error!("{e}");
-            // Whatever was half-written is cut off, so the next write starts a whole line.
-            if let Some(o) = &open
-                && o.file.set_len(o.len).is_err()
-            {
-                open = None;
-            }
-        } else if let Some(o) = &mut open {
-            o.len = o.file.metadata().map(|m| m.len()).unwrap_or(o.len);
-        }
-        for waiters in done {
-            for w in waiters {
-                let _ = w.send(result.clone());
-            }
-        }
-        if let Some(upto) = delete_upto {
-            delete_segments(dir, upto, &mut open);
-        }
-        if closing && shared.queue.lock().chunks.is_empty() {
-            return;
-        }
-    }
-}
-
-/// Append one chunk to its segment, switching files (and syncing the one left) as needed.
-fn append_chunk(dir: &Path, open: &mut Option<Open>, chunk: &Chunk) -> Result<(), JournalError> {
-    if open.as_ref().map(|o| o.segment) != Some(chunk.segment) {
-        if let Some(o) = open.take() {
-            o.file.sync_data().map_err(|e| io_error("fdatasync", e))?;
-        }
-        let path = segment_path(dir, chunk.segment);
+impl Open {
+    fn create(dir: &Path, first_seq: u64) -> Result<Open, JournalError> {
+        let path = dir.join(format!("{first_seq:020}.log"));
         let file = OpenOptions::new()
             .create(true)
             .append(true)
@@ -375,31 +342,142 @@ fn append_chunk(dir: &Path, open: &mut Option<Open>, chunk: &Chunk) -> Result<()
             .map_err(|e| io_error("opening a segment", e))?;
         let len = file.metadata().map_err(|e| io_error("stat", e))?.len();
         sync_dir(dir).map_err(|e| io_error("syncing the directory", e))?;
-        *open = Some(Open {
-            segment: chunk.segment,
+        Ok(Open {
+            first_seq,
             file,
             len,
-        });
+            torn: false,
+            failed: false,
+        })
     }
-    let o = open.as_mut().expect("opened above");
-    (&o.file)
-        .write_all(&chunk.bytes)
-        .map_err(|e| io_error("write", e))
 }
 
-/// Delete the segments up to `upto`. Nothing is written to them any more: the meter moved to
-/// a newer segment before their counts went to the database, and the writer took every chunk
-/// queued before this deletion was asked for.
-fn delete_segments(dir: &Path, upto: u64, open: &mut Option<Open>) {
-    if open.as_ref().is_some_and(|o| o.segment <= upto) {
+/// The writer thread: take everything queued, append it, `fdatasync` once (or, in
+/// [`SyncMode::Write`], every [`BACKGROUND_SYNC`]), answer every waiter; then delete what
+/// the database has. Until `close`.
+fn write_loop(shared: &Shared, dir: &Path, sync: SyncMode) {
+    let mut open: Option<Open> = None;
+    // When the oldest write not yet on the disk was made (`SyncMode::Write`).
+    let mut dirty_since: Option<std::time::Instant> = None;
+    loop {
+        let (bytes, first_seq, waiters, applied, closing) = {
+            let mut q = shared.queue.lock();
+            while q.bytes.is_empty() && q.applied.is_none() && !q.closing {
+                match dirty_since {
+                    Some(t) => {
+                        if shared
+                            .wake
+                            .wait_until(&mut q, t + BACKGROUND_SYNC)
+                            .timed_out()
+                        {
+                            break;
+                        }
+                    }
+                    None => shared.wake.wait(&mut q),
+                }
+            }
+            (
+                std::mem::take(&mut q.bytes),
+                q.first_seq,
+                std::mem::take(&mut q.waiters),
+                q.applied.take(),
+                q.closing,
+            )
+        };
+        if !bytes.is_empty() {
+            let result = append(dir, &mut open, first_seq, &bytes, sync);
+            if sync == SyncMode::Write && result.is_ok() {
+                dirty_since.get_or_insert_with(std::time::Instant::now);
+            }
+            if let Err(e) = &result {
+                tracing::error!("{e}");
+            }
+            for w in waiters {
+                let _ = w.send(result.clone());
+            }
+        }
+        if dirty_since.is_some_and(|t| closing || t.elapsed() >= BACKGROUND_SYNC) {
+            // Put what was written on the disk.
+            if let Some(o) = &open
+                && let Err(e) = o.file.sync_data()
+            {
+                tracing::error!("usage journal: background fdatasync: {e}");
+            }
+            dirty_since = None;
+        }
+        if let Some(seq) = applied {
+            delete_applied(dir, seq, &mut open);
+        }
+        if closing && shared.queue.lock().bytes.is_empty() {
+            return;
+        }
+    }
+}
+
+/// Append a group of lines (and make them durable, in [`SyncMode::Fdatasync`]). A failure
+/// cuts off whatever was half written, so the next group starts a whole line (or, when
+/// even that fails, ends the torn line with the next write's first byte).
+fn append(
+    dir: &Path,
+    open: &mut Option<Open>,
+    first_seq: u64,
+    bytes: &[u8],
+    sync: SyncMode,
+) -> Result<(), JournalError> {
+    if let Some(o) = open.as_ref().filter(|o| o.len >= SEGMENT_BYTES) {
+        // Close it, synced; the next segment starts with this group.
+        o.file.sync_data().map_err(|e| io_error("fdatasync", e))?;
         *open = None;
     }
-    let Ok(segments) = list_segments(dir) else {
+    if let Some(o) = open.as_mut().filter(|o| o.failed) {
+        let torn = o.torn;
+        *o = Open::create(dir, o.first_seq)?;
+        o.torn = torn && o.len > 0;
+    }
+    if open.is_none() {
+        *open = Some(Open::create(dir, first_seq)?);
+    }
+    let o = open.as_mut().expect("opened above");
+    let newline: &[u8] = if o.torn { b"\n" } else { b"" };
+    let written = (&o.file)
+        .write_all(newline)
+        .and_then(|()| (&o.file).write_all(bytes))
+        .and_then(|()| match sync {
+            SyncMode::Fdatasync => o.file.sync_data(),
+            SyncMode::Write => Ok(()),
+        })
+        .map_err(|e| io_error("write", e));
+    match written {
+        Ok(()) => {
+            o.len += (newline.len() + bytes.len()) as u64;
+            o.torn = false;
+            Ok(())
+        }
+        Err(e) => {
+            o.torn = o.file.set_len(o.len).is_err();
+            o.failed = true;
+            Err(e)
+        }
+    }
+}
+
+/// Delete the segments whose entries are all at or under `applied`: every segment but the
+/// last whose successor starts at or before `applied + 1`. The open segment is closed first
+/// when it goes (its entries are all synced; the next group starts a new one).
+fn delete_applied(dir: &Path, applied: u64, open: &mut Option<Open>) {
+    let Ok(all) = segments(dir) else {
         return;
     };
-    for s in segments.into_iter().filter(|&s| s <= upto) {
-        if let Err(e) = std::fs::remove_file(segment_path(dir, s)) {
-            tracing::warn!("usage journal: deleting segment {s}: {e}");
+    for pair in all.windows(2) {
+        let ((first, path), (next_first, _)) = (&pair[0], &pair[1]);
+        if *next_first > applied.saturating_add(1) {
+            break;
+        }
+        if open.as_ref().is_some_and(|o| o.first_seq == *first) {
+            *open = None;
+        }
+        if let Err(e) = std::fs::remove_file(path) {
+            tracing::warn!("usage journal: deleting {}: {e}", path.display());
         }
     }
 }

@@ -5,8 +5,8 @@
 //! (`usage_journal`), and waits (with every other request of the same group commit) only for
 //! the journal's `fdatasync`, never for the database. A background task writes the table to
 //! the database in one transaction every [`FLUSH_EVERY`], together with the number of the
-//! journal segment it covers; the journal then drops those segments. A crash loses nothing:
-//! a restart replays the segments past the database's watermark.
+//! last journal entry it covers; the journal then drops the segments that are all counted.
+//! A crash loses nothing: a restart replays the entries past the database's watermark.
 //!
 //! Nothing is dropped on a failed database write: the batch goes back into the table and is
 //! retried with the next one (and stays in the journal until then).
@@ -27,23 +27,24 @@ pub const FLUSH_EVERY: Duration = Duration::from_millis(500);
 #[derive(Default)]
 struct Pending {
     counts: HashMap<UsageKey, UsageCounts>,
-    /// The journal segment new entries go to; a flush closes it and opens the next.
-    segment: u64,
+    /// The number of the last journal entry: `counts` holds every entry after the
+    /// database's watermark, up to this one.
+    last_seq: u64,
 }
 
 /// This replica's usage meter.
 #[derive(Default)]
 pub struct UsageMeter {
     pending: Mutex<Pending>,
-    /// One flush at a time: a later segment's watermark must never reach the database
-    /// before an earlier segment's counts.
+    /// One flush at a time: a later watermark must never reach the database before the
+    /// counts of an earlier batch.
     flushing: tokio::sync::Mutex<()>,
     /// `None` only where nothing needs to survive the process (unit tests, benches of parts).
     journal: Option<UsageJournal>,
 }
 
 impl UsageMeter {
-    /// A meter journaling to `journal`: what it recovered (segments past the database's
+    /// A meter journaling to `journal`: what it recovered (entries past the database's
     /// `watermark`) is pending, to be written with the first flush.
     pub fn with_journal(journal: UsageJournal, watermark: u64) -> Result<Self, JournalError> {
         let recovered = journal.recover(watermark)?;
@@ -63,13 +64,11 @@ impl UsageMeter {
                 "usage journal: replaying requests not yet in the database"
             );
         }
-        let last = recovered.segments.iter().copied().max().unwrap_or(0);
         journal.start(watermark);
         Ok(UsageMeter {
             pending: Mutex::new(Pending {
                 counts,
-                // Past every segment on disk and the watermark: a new segment.
-                segment: last.max(watermark) + 1,
+                last_seq: recovered.last_seq.max(watermark),
             }),
             flushing: tokio::sync::Mutex::new(()),
             journal: Some(journal),
@@ -92,7 +91,8 @@ impl UsageMeter {
         output_tokens: i64,
         error: Option<&str>,
     ) -> impl Future<Output = Result<(), JournalError>> + Send + 'static {
-        let entry = Entry {
+        let mut entry = Entry {
+            seq: 0,
             tenant_id: tenant.to_string(),
             model: model.to_string(),
             day: utc_day(now_ms()),
@@ -101,16 +101,17 @@ impl UsageMeter {
             error: error.map(str::to_string),
         };
         let durable = {
-            // One lock for the table and the journal's queue: a flush sees every entry of
-            // the segments it closes in the table, and no other.
+            // One lock for the table, the numbering and the journal's queue: the table holds
+            // exactly the entries up to `last_seq`, in the journal's order.
             let mut pending = self.pending.lock();
             pending
                 .counts
                 .entry(entry.key())
                 .or_default()
                 .add(&entry.counts());
-            let segment = pending.segment;
-            self.journal.as_ref().map(|j| j.append(segment, &entry))
+            pending.last_seq += 1;
+            entry.seq = pending.last_seq;
+            self.journal.as_ref().map(|j| j.append(&entry))
         };
         async move {
             match durable {
@@ -122,25 +123,23 @@ impl UsageMeter {
         }
     }
 
-    /// Write everything pending in one transaction, with the journal segments it covers. On
-    /// failure the counts are put back, to be written with the next flush.
+    /// Write everything pending in one transaction, with the last journal entry it covers.
+    /// On failure the counts are put back, to be written with the next flush.
     pub async fn flush(&self, store: &Store) -> Result<(), StoreError> {
         let _one_at_a_time = self.flushing.lock().await;
-        let (batch, closed) = {
+        let (batch, upto) = {
             let mut pending = self.pending.lock();
             if pending.counts.is_empty() {
                 return Ok(());
             }
-            let closed = pending.segment;
-            pending.segment += 1;
             let batch: Vec<(UsageKey, UsageCounts)> = pending.counts.drain().collect();
-            (batch, closed)
+            (batch, pending.last_seq)
         };
-        let applied = self.journal.as_ref().map(|j| (j.id(), closed));
+        let applied = self.journal.as_ref().map(|j| (j.id(), upto));
         match store.add_usage_from_journal(&batch, applied).await {
             Ok(()) => {
                 if let Some(j) = &self.journal {
-                    j.applied(closed);
+                    j.applied(upto);
                 }
                 Ok(())
             }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use bulkhead_platform::config::ServeConfig;
 use bulkhead_platform::store::Store;
-use bulkhead_platform::usage_journal::UsageJournal;
+use bulkhead_platform::usage_journal::{SyncMode, UsageJournal};
 use bulkhead_platform::usage_meter::UsageMeter;
 use common::server::Server;
 use serde_json::{Value, json};
@@ -36,11 +36,14 @@ fn data_dir(tag: &str) -> std::path::PathBuf {
 }
 
 /// `bulkhead serve` as an operator runs it, with only the embedding model.
-fn spawn_serve(data: &std::path::Path) -> (Child, String) {
+fn spawn_serve(data: &std::path::Path, sync: &str) -> (Child, String) {
     let config = data.join("serve.toml");
     std::fs::write(
         &config,
-        format!("[node]\ntext_models = []\n[[node.embedding_models]]\nname = \"{EMBED}\"\n"),
+        format!(
+            "usage_sync = \"{sync}\"\n[node]\ntext_models = []\n\
+             [[node.embedding_models]]\nname = \"{EMBED}\"\n"
+        ),
     )
     .unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
@@ -121,9 +124,16 @@ async fn counted(http: &reqwest::Client, url: &str, account: &str, model: &str) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn usage_of_every_answered_request_survives_kill_9() {
-    let data = data_dir("kill9");
+    // Both settings: on the disk, or in the page cache, before the answer ends.
+    for sync in ["fdatasync", "write"] {
+        usage_survives_kill_9(sync).await;
+    }
+}
+
+async fn usage_survives_kill_9(sync: &str) {
+    let data = data_dir(&format!("kill9-{sync}"));
     let http = reqwest::Client::new();
-    let (mut child, url) = spawn_serve(&data);
+    let (mut child, url) = spawn_serve(&data, sync);
     wait_healthy(&http, &url).await;
     let tenant = admin(
         &http,
@@ -177,7 +187,7 @@ async fn usage_of_every_answered_request_survives_kill_9() {
     child.wait().unwrap();
     assert_eq!(answered, 200, "every request is served");
 
-    let (mut child, url) = spawn_serve(&data);
+    let (mut child, url) = spawn_serve(&data, sync);
     wait_healthy(&http, &url).await;
     // The replayed counts reach the database with the first flush.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -194,7 +204,7 @@ async fn usage_of_every_answered_request_survives_kill_9() {
     assert_eq!(
         (n, settled),
         (answered, answered),
-        "usage after kill -9 and restart"
+        "usage after kill -9 and restart (usage_sync = {sync})"
     );
 }
 
@@ -322,7 +332,7 @@ async fn a_journal_replays_what_the_database_lacks_exactly_once() {
     };
 
     // Three requests journaled, one flushed; the process "crashes" (nothing else runs).
-    let journal = UsageJournal::open(&dir).unwrap();
+    let journal = UsageJournal::open(&dir, SyncMode::Fdatasync).unwrap();
     let id = journal.id().to_string();
     let meter = UsageMeter::with_journal(journal, 0).unwrap();
     meter.record("t", EMBED, 5, 0, None).await.unwrap();
@@ -352,7 +362,7 @@ async fn a_journal_replays_what_the_database_lacks_exactly_once() {
         .unwrap();
 
     // Restart: the two unflushed requests are replayed, with the same journal id.
-    let journal = UsageJournal::open(&dir).unwrap();
+    let journal = UsageJournal::open(&dir, SyncMode::Fdatasync).unwrap();
     assert_eq!(journal.id(), id, "the journal keeps its id");
     let watermark = store.journal_watermark(&id).await.unwrap();
     assert!(watermark >= 1);
@@ -364,7 +374,7 @@ async fn a_journal_replays_what_the_database_lacks_exactly_once() {
 
     // A crash after the database write but before the segments' deletion: the files are
     // still there at the next start, and the watermark keeps them from counting twice.
-    let journal = UsageJournal::open(&dir).unwrap();
+    let journal = UsageJournal::open(&dir, SyncMode::Fdatasync).unwrap();
     let watermark = store.journal_watermark(&id).await.unwrap();
     let meter = UsageMeter::with_journal(journal, watermark).unwrap();
     meter.record("t", EMBED, 5, 0, None).await.unwrap();
@@ -378,7 +388,7 @@ async fn a_journal_replays_what_the_database_lacks_exactly_once() {
     for (path, bytes) in &before_deletion {
         std::fs::write(path, bytes).unwrap();
     }
-    let journal = UsageJournal::open(&dir).unwrap();
+    let journal = UsageJournal::open(&dir, SyncMode::Fdatasync).unwrap();
     let watermark = store.journal_watermark(&id).await.unwrap();
     let meter = UsageMeter::with_journal(journal, watermark).unwrap();
     meter.flush(&store).await.unwrap();
@@ -389,7 +399,10 @@ async fn a_journal_replays_what_the_database_lacks_exactly_once() {
         .map(|r| r.errors.get("bad_input").copied().unwrap_or(0))
         .sum();
     assert_eq!((requests(store.clone()).await, errors), (5, 1), "{rows:?}");
-    assert!(segments(&dir).is_empty(), "applied segments are deleted");
+    // Everything on disk is counted now: nothing is left to replay.
+    let journal = UsageJournal::open(&dir, SyncMode::Fdatasync).unwrap();
+    let watermark = store.journal_watermark(&id).await.unwrap();
+    assert!(journal.recover(watermark).unwrap().entries.is_empty());
 }
 
 /// The journal's segment files and their contents.
@@ -408,11 +421,11 @@ fn segments(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
 #[test]
 fn two_processes_never_share_a_journal() {
     let dir = data_dir("lock").join("journal");
-    let first = UsageJournal::open(&dir).unwrap();
-    let second = UsageJournal::open(&dir)
+    let first = UsageJournal::open(&dir, SyncMode::Fdatasync).unwrap();
+    let second = UsageJournal::open(&dir, SyncMode::Fdatasync)
         .err()
         .expect("the directory is taken");
     assert!(second.to_string().contains("in use"), "{second}");
     first.close();
-    UsageJournal::open(&dir).expect("free again after close");
+    UsageJournal::open(&dir, SyncMode::Fdatasync).expect("free again after close");
 }

@@ -99,19 +99,19 @@ impl Store {
         self.add_usage_from_journal(batch, None).await
     }
 
-    /// The last segment of journal `journal_id` whose counts are in the usage tables (0 for
-    /// a journal never seen).
+    /// The number of the last entry of journal `journal_id` whose counts are in the usage
+    /// tables (0 for a journal never seen).
     pub async fn journal_watermark(&self, journal_id: &str) -> Result<u64, StoreError> {
-        let segment: Option<i64> =
-            sqlx::query_scalar("SELECT segment FROM usage_journals WHERE journal_id = $1")
+        let last_seq: Option<i64> =
+            sqlx::query_scalar("SELECT last_seq FROM usage_journals WHERE journal_id = $1")
                 .bind(journal_id)
                 .fetch_optional(&self.pool)
                 .await?;
-        Ok(segment.unwrap_or(0).max(0) as u64)
+        Ok(last_seq.unwrap_or(0).max(0) as u64)
     }
 
     /// [`Store::add_usage`], and, in the same transaction, journal `applied.0`'s watermark
-    /// raised to segment `applied.1`: the counts and the record that they are counted are
+    /// raised to entry `applied.1`: the counts and the record that they are counted are
     /// written together or not at all (`usage_journal`).
     pub async fn add_usage_from_journal(
         &self,
@@ -158,18 +158,18 @@ impl Store {
                 .await?;
             }
         }
-        if let Some((journal_id, segment)) = applied {
-            let segment = i64::try_from(segment)
-                .map_err(|_| StoreError::Other(format!("journal segment {segment} too large")))?;
+        if let Some((journal_id, last_seq)) = applied {
+            let last_seq = i64::try_from(last_seq)
+                .map_err(|_| StoreError::Other(format!("journal entry {last_seq} too large")))?;
             sqlx::query(
-                "INSERT INTO usage_journals (journal_id, segment, updated_at) VALUES ($1, $2, $3) \
+                "INSERT INTO usage_journals (journal_id, last_seq, updated_at) VALUES ($1, $2, $3) \
                  ON CONFLICT (journal_id) DO UPDATE SET \
-                 segment = CASE WHEN excluded.segment > usage_journals.segment \
-                 THEN excluded.segment ELSE usage_journals.segment END, \
+                 last_seq = CASE WHEN excluded.last_seq > usage_journals.last_seq \
+                 THEN excluded.last_seq ELSE usage_journals.last_seq END, \
                  updated_at = excluded.updated_at",
             )
             .bind(journal_id)
-            .bind(segment)
+            .bind(last_seq)
             .bind(now_ms())
             .execute(&mut *tx)
             .await?;
