@@ -211,6 +211,16 @@ impl From<crate::store::StoreError> for ApiError {
         match e {
             StoreError::NotFound(m) => Self::not_found(m),
             StoreError::Conflict(m) => Self::conflict(m),
+            StoreError::Db(e) if crate::store::is_unreachable(&e) => {
+                tracing::error!("database unavailable: {e}");
+                Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    3043,
+                    "database_unavailable",
+                    "The database is unavailable; please try again.",
+                )
+                .with_header(header::RETRY_AFTER, HeaderValue::from(1))
+            }
             other => Self::internal(other),
         }
     }
@@ -335,7 +345,8 @@ pub enum RunErrors {
     /// 3000 a node or KV transfer failed
     #[response(status = 502)]
     BadGateway(ErrorEnvelope),
-    /// 3040 no node can serve the model now (with retry-after)
+    /// 3040 no node can serve the model now, 3042 its usage could not be recorded, 3043 the
+    /// database is unreachable, 3044 the shared rate limit is unreachable (with retry-after)
     #[response(status = 503)]
     Unavailable(ErrorEnvelope),
 }
@@ -367,7 +378,8 @@ pub enum OpenAiRunErrors {
     /// server_error: a node or KV transfer failed
     #[response(status = 502)]
     BadGateway(OpenAiErrorBody),
-    /// server_error: no node can serve the model now
+    /// server_error: no node can serve the model now, its usage could not be recorded, the
+    /// database or the shared rate limit is unreachable
     #[response(status = 503)]
     Unavailable(OpenAiErrorBody),
 }
@@ -390,6 +402,9 @@ pub enum OpenAiReadErrors {
     /// server_error
     #[response(status = 500)]
     Internal(OpenAiErrorBody),
+    /// server_error: the database is unreachable (an uncached token)
+    #[response(status = 503)]
+    Unavailable(OpenAiErrorBody),
 }
 
 /// The failures of a tenant's read (OpenAPI).
@@ -407,6 +422,9 @@ pub enum ReadErrors {
     /// 3000 internal error
     #[response(status = 500)]
     Internal(ErrorEnvelope),
+    /// 3043 the database is unreachable (with retry-after)
+    #[response(status = 503)]
+    Unavailable(ErrorEnvelope),
 }
 
 /// The failures of an admin or workers API call (OpenAPI).
@@ -433,4 +451,7 @@ pub enum ManageErrors {
     /// 3000 internal error
     #[response(status = 500)]
     Internal(ErrorEnvelope),
+    /// 3043 the database is unreachable (with retry-after)
+    #[response(status = 503)]
+    Unavailable(ErrorEnvelope),
 }

@@ -1,6 +1,10 @@
 //! Per-tenant rate limits per task type, in fixed one-minute windows (Workers AI's defaults:
 //! text generation 300/min, embeddings 3000/min). Counted in Redis when it is configured, so
-//! every replica shares one budget; in-process otherwise (and while Redis is unreachable).
+//! every replica shares one budget; in-process otherwise.
+//!
+//! While Redis is unreachable a replica spends what it has already leased and then fails
+//! closed (503/3044, `Decision::unavailable`): counting in-process instead would let every
+//! replica admit a whole limit of its own. It recovers by itself once Redis answers again.
 //!
 //! With Redis, a replica does not ask Redis on every request: it takes the budget in leases
 //! of [`lease_size`] units (one `INCRBY` per lease) and spends them locally, so only one
@@ -42,6 +46,9 @@ pub enum Task {
 #[derive(Debug, Clone, Copy)]
 pub struct Decision {
     pub allowed: bool,
+    /// Refused because the shared budget could not be read (Redis unreachable), not because
+    /// the tenant used it up.
+    pub unavailable: bool,
     pub limit: u32,
     pub remaining: u32,
     /// Seconds until the window resets.
@@ -143,8 +150,14 @@ impl RateLimiter {
                     lease.total = total;
                 }
                 Err(e) => {
-                    tracing::warn!("Redis rate limit unavailable, counting in-process: {e}");
-                    return self.check_local(tenant, task);
+                    tracing::warn!("Redis rate limit unavailable, refusing past the lease: {e}");
+                    return Decision {
+                        allowed: false,
+                        unavailable: true,
+                        limit,
+                        remaining: 0,
+                        reset_s: 60 - now % 60,
+                    };
                 }
             }
         }
@@ -155,6 +168,7 @@ impl RateLimiter {
         let unleased = u64::from(limit).saturating_sub(lease.total);
         Decision {
             allowed,
+            unavailable: false,
             limit,
             remaining: (unleased + lease.left).min(u64::from(limit)) as u32,
             reset_s: 60 - now % 60,
@@ -185,6 +199,7 @@ impl RateLimiter {
         }
         Decision {
             allowed,
+            unavailable: false,
             limit,
             remaining: limit - entry.1.min(limit),
             reset_s: 60 - now % 60,

@@ -71,6 +71,15 @@ impl Inference {
         if d.allowed {
             return Ok(h);
         }
+        if d.unavailable {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                3044,
+                "rate_limiter_unavailable",
+                "The rate limiter is unavailable; please try again.",
+            )
+            .with_header(header::RETRY_AFTER, HeaderValue::from(1)));
+        }
         let mut e = ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
             3021,

@@ -28,6 +28,26 @@ use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::{AnyPool, Row, SqlSafeStr};
 
+/// Longest a query waits for a connection: past it the database counts as unavailable.
+pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Whether `e` says the database cannot be reached (as opposed to a query it refused): a
+/// lost or refused connection, a pool that timed out, a server shutting down (SQLSTATE
+/// classes 08 connection exception and 57 operator intervention).
+pub fn is_unreachable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Tls(_) => true,
+        sqlx::Error::Database(d) => d
+            .code()
+            .is_some_and(|c| c.starts_with("08") || c.starts_with("57")),
+        _ => false,
+    }
+}
+
 /// What a token may do: call the tenant APIs of its own tenant, the admin API, or heartbeat
 /// as one inference node (and nothing else: a node never holds the admin token).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -291,7 +311,9 @@ impl Store {
     pub async fn connect(url: &str) -> Result<Store, StoreError> {
         sqlx::any::install_default_drivers();
         let (backend, url, in_memory) = normalize_url(url)?;
-        let mut opts = AnyPoolOptions::new().acquire_timeout(Duration::from_secs(30));
+        // A database that is down answers in seconds, not in a client's whole timeout: the
+        // request gets its 503/3043 while the pool keeps trying to reconnect.
+        let mut opts = AnyPoolOptions::new().acquire_timeout(ACQUIRE_TIMEOUT);
         if in_memory {
             // Every connection to `:memory:` is its own database: keep exactly one, forever.
             opts = opts

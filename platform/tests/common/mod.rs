@@ -1,6 +1,7 @@
 //! Helpers shared by the control-plane integration tests.
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod proxy;
 pub mod server;
 
 pub const REDIS: &str = "redis://127.0.0.1:6379";
