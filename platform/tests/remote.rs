@@ -78,13 +78,17 @@ async fn a_registered_node_is_routed_to_and_its_errors_keep_their_meaning() {
             .unwrap(),
     );
     let nl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let node_url = format!("http://{}", nl.local_addr().unwrap());
+    // The control plane reaches the node through a proxy, so the test can take the node
+    // off the network mid-stream, as a crash of its machine would.
+    let link = common::proxy::Proxy::start(nl.local_addr().unwrap()).await;
+    let node_url = format!("http://{}", link.addr);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let node_server = tokio::spawn(bulkhead_runtime::server::serve(node.clone(), nl, async {
         let _ = stop_rx.await;
     }));
     let http = reqwest::Client::new();
     let credential = node_token(&http, &cp_url, "node-1").await;
+    let node_for_state = node.clone();
     let beats = tokio::spawn(bulkhead_platform::nodes::run_heartbeats(
         cp_url.clone(),
         credential["token"].as_str().unwrap().into(),
@@ -198,6 +202,58 @@ async fn a_registered_node_is_routed_to_and_its_errors_keep_their_meaning() {
         b["errors"][0]["message"].as_str().unwrap().contains("512"),
         "{b}"
     );
+
+    // The node is lost mid-stream: the stream ends with an error event, never `[DONE]`.
+    let mut stream = http
+        .post(format!(
+            "{cp_url}/client/v4/accounts/{acct}/ai/run/{SMOLLM2_NAME}"
+        ))
+        .bearer_auth(&token)
+        .json(
+            &json!({"prompt": "Count from one to one hundred.", "stream": true,
+                      "max_tokens": 200, "temperature": 0}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    let mut body = String::new();
+    while !body.contains("\"response\"") {
+        let chunk = stream.chunk().await.unwrap().expect("a first token");
+        body.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    link.cut();
+    while let Ok(Some(chunk)) = stream.chunk().await {
+        body.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(!body.contains("[DONE]"), "{body}");
+    assert!(body.contains("event: error"), "{body}");
+    // And a request while it is unreachable: a clean 5xx, never a 200.
+    let (s, b) = run(SMOLLM2_NAME, json!({"prompt": "hi", "max_tokens": 2})).await;
+    assert!(s == 502 || s == 503, "{s} {b}");
+    link.restore();
+    // The node saw its caller go and cancelled: its pool counts nothing for that stream.
+    let mut whole = false;
+    for _ in 0..100 {
+        let state = bulkhead_runtime::server::node_state(&node_for_state);
+        let m = state
+            .models
+            .iter()
+            .find(|m| m.name == SMOLLM2_NAME)
+            .unwrap();
+        let pool = m.pool.unwrap();
+        assert_eq!(pool.isolation_violations, 0);
+        if pool.pages_free == pool.pages_total
+            && pool.pages_reserved == 0
+            && m.running == 0
+            && m.queue_depth == 0
+        {
+            whole = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(whole, "the lost stream's pages were not released");
 
     // The node goes away: a clean 5xx with the envelope, never a 200.
     beats.abort();
