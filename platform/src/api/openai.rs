@@ -288,7 +288,7 @@ pub async fn chat(inference: &Inference, tenant: &str, body: &[u8]) -> Result<Re
     let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let checked = log_user(req.user.as_deref())
         .and_then(|()| req.into_input())
-        .and_then(|input| inference.check_text(&model, input));
+        .and_then(|input| inference::validate_text(&model, input));
     let valid = match checked {
         Ok(v) => v,
         Err(e) => return Err(inference.refused(tenant, &model, e).await),
@@ -421,7 +421,7 @@ pub async fn embeddings(
                 pooling: None,
                 dimensions: req.dimensions,
             };
-            Ok((base64, inference.check_embed(&model, input)?))
+            Ok((base64, inference::validate_embed(&model, input)?))
         });
     let (base64, valid) = match checked {
         Ok(v) => v,

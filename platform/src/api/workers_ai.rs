@@ -215,28 +215,25 @@ pub async fn prepare(
     body: &[u8],
 ) -> Result<Prepared, ApiError> {
     let model = inference.resolve_model(tenant, model)?;
-    match parse_for_task(inference, &model, body) {
+    match parse_for_task(&model, body) {
         Ok(p) => Ok(p),
         Err(e) => Err(inference.refused(tenant, &model, e).await),
     }
 }
 
-fn parse_for_task(
-    inference: &Inference,
-    model: &ModelRecord,
-    body: &[u8],
-) -> Result<Prepared, ApiError> {
+/// The body parsed by `model`'s task and validated against its catalog entry.
+fn parse_for_task(model: &ModelRecord, body: &[u8]) -> Result<Prepared, ApiError> {
     let model = model.clone();
     match model.task.as_str() {
         TASK_TEXT_GENERATION => {
             let (input, stream) = parse_json::<TextGenerationInput>(body)
                 .and_then(TextGenerationInput::into_input)?;
-            let req = inference.check_text(&model, input)?;
+            let req = inference::validate_text(&model, input)?;
             Ok(Prepared::Text { model, req, stream })
         }
         TASK_TEXT_EMBEDDINGS => {
             let input: EmbeddingsInput = parse_json(body)?;
-            let req = inference.check_embed(
+            let req = inference::validate_embed(
                 &model,
                 EmbedInput {
                     texts: input.text.into_vec(),

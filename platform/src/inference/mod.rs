@@ -92,25 +92,6 @@ impl Inference {
         Err(e)
     }
 
-    /// [`validate_text`] against `model`'s catalog entry. A surface counts a refusal with
-    /// [`Self::refused`], as every request that reaches a model is counted.
-    pub fn check_text(
-        &self,
-        model: &ModelRecord,
-        input: TextInput,
-    ) -> Result<ValidTextRequest, ApiError> {
-        validate_text(model, input)
-    }
-
-    /// [`validate_embed`] against `model`'s catalog entry, like [`Self::check_text`].
-    pub fn check_embed(
-        &self,
-        model: &ModelRecord,
-        input: EmbedInput,
-    ) -> Result<ValidEmbedRequest, ApiError> {
-        validate_embed(model, input)
-    }
-
     /// Count a request to `model` refused before it ran (its input did not parse or check),
     /// durably, and hand its error back for the answer.
     pub async fn refused(&self, tenant: &str, model: &ModelRecord, e: ApiError) -> ApiError {
