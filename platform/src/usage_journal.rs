@@ -2,9 +2,10 @@
 //! request path still never waits on the database.
 //!
 //! Entries (one JSON line each, numbered by a sequence number) are appended to segment files
-//! under `{data}/usage-journal/`, each named by the first number in it. One writer thread
-//! appends whatever has queued up since its last write and makes it durable with one
-//! `fdatasync` (a group commit), then answers every request in that group. The meter's flush
+//! under `{data}/usage-journal/`, each named by the first number in it. A request writes its
+//! own line (one `write`, no hand-off to another thread); one sync thread makes whatever was
+//! written since its last round durable with one `fdatasync` (a group commit), outside the
+//! lock the writers take, then answers every request of that round. The meter's flush
 //! (`usage_meter`) writes its table to the database together with the number of the last
 //! entry it covers (the journal's watermark, in the same transaction); segments wholly at or
 //! under the watermark are then deleted. At start the entries past the database's watermark
@@ -97,12 +98,18 @@ impl Entry {
 
 type Waiter = oneshot::Sender<Result<(), JournalError>>;
 
-/// What the writer has to do next.
+/// The journal's state, shared by the requests that append and the sync thread.
 #[derive(Default)]
-struct Queue {
-    /// Lines not written yet, in sequence order, and the number of the first.
-    bytes: Vec<u8>,
-    first_seq: u64,
+struct State {
+    /// The segment being appended to.
+    open: Option<Open>,
+    /// Segments closed since the last sync, to be synced with it.
+    closed: Vec<Arc<File>>,
+    /// A segment was created since the last sync: the directory needs one too.
+    dir_dirty: bool,
+    /// When the oldest write not yet on the disk was made.
+    dirty_since: Option<std::time::Instant>,
+    /// [`SyncMode::Fdatasync`]: requests whose entries are written, waiting for the sync.
     waiters: Vec<Waiter>,
     /// Delete the segments whose entries are all at or under this number.
     applied: Option<u64>,
@@ -110,7 +117,7 @@ struct Queue {
 }
 
 struct Shared {
-    queue: Mutex<Queue>,
+    state: Mutex<State>,
     wake: Condvar,
 }
 
@@ -120,7 +127,7 @@ pub struct UsageJournal {
     dir: PathBuf,
     sync: SyncMode,
     shared: Arc<Shared>,
-    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    syncer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Held until [`UsageJournal::close`]: the directory is this journal's alone.
     lock: Mutex<Option<File>>,
 }
@@ -170,10 +177,10 @@ impl UsageJournal {
             dir: dir.to_path_buf(),
             sync,
             shared: Arc::new(Shared {
-                queue: Mutex::new(Queue::default()),
+                state: Mutex::new(State::default()),
                 wake: Condvar::new(),
             }),
-            writer: Mutex::new(None),
+            syncer: Mutex::new(None),
             lock: Mutex::new(Some(lock)),
         })
     }
@@ -224,55 +231,71 @@ impl UsageJournal {
     }
 
     /// Delete the segments the database already has (at or under `watermark`), then start
-    /// the writer thread.
+    /// the sync thread.
     pub fn start(&self, watermark: u64) {
-        let mut none = None;
-        delete_applied(&self.dir, watermark, &mut none);
+        delete_applied(&self.dir, watermark, &self.shared);
         let shared = self.shared.clone();
         let dir = self.dir.clone();
         let sync = self.sync;
         let handle = std::thread::Builder::new()
             .name("usage-journal".into())
-            .spawn(move || write_loop(&shared, &dir, sync))
-            .expect("spawning the usage journal writer");
-        *self.writer.lock() = Some(handle);
+            .spawn(move || sync_loop(&shared, &dir, sync))
+            .expect("spawning the usage journal's sync thread");
+        *self.syncer.lock() = Some(handle);
     }
 
-    /// Queue `entry` (whose number follows the last one's); the receiver answers once it is
-    /// durable, or failed.
+    /// Write `entry` (whose number follows the last one's) to the journal, on the calling
+    /// thread: one `write` to the page cache, a few microseconds. The receiver answers once
+    /// the entry is as durable as the [`SyncMode`] asks: at once in [`SyncMode::Write`],
+    /// after the next group's `fdatasync` (on the sync thread) in [`SyncMode::Fdatasync`].
+    /// Callers append in sequence order (the meter numbers entries under its own lock).
     pub fn append(&self, entry: &Entry) -> oneshot::Receiver<Result<(), JournalError>> {
         let (tx, rx) = oneshot::channel();
         let mut line = serde_json::to_vec(entry).expect("an entry serializes");
         line.push(b'\n');
-        let mut q = self.shared.queue.lock();
-        if q.closing {
+        let mut st = self.shared.state.lock();
+        if st.closing {
             let _ = tx.send(Err(JournalError("the journal is closed".into())));
             return rx;
         }
-        if q.bytes.is_empty() {
-            q.first_seq = entry.seq;
+        if let Err(e) = write_line(&self.dir, &mut st, entry.seq, &line) {
+            tracing::error!("{e}");
+            let _ = tx.send(Err(e));
+            return rx;
         }
-        q.bytes.extend_from_slice(&line);
-        q.waiters.push(tx);
-        drop(q);
-        self.shared.wake.notify_one();
+        let first_dirty = st.dirty_since.is_none();
+        st.dirty_since.get_or_insert_with(std::time::Instant::now);
+        match self.sync {
+            SyncMode::Write => {
+                let _ = tx.send(Ok(()));
+                drop(st);
+                if first_dirty {
+                    self.shared.wake.notify_one();
+                }
+            }
+            SyncMode::Fdatasync => {
+                st.waiters.push(tx);
+                drop(st);
+                self.shared.wake.notify_one();
+            }
+        }
         rx
     }
 
     /// Every entry up to `seq` is counted in the database: its segments may go.
     pub fn applied(&self, seq: u64) {
-        let mut q = self.shared.queue.lock();
-        q.applied = Some(q.applied.map_or(seq, |a| a.max(seq)));
-        drop(q);
+        let mut st = self.shared.state.lock();
+        st.applied = Some(st.applied.map_or(seq, |a| a.max(seq)));
+        drop(st);
         self.shared.wake.notify_one();
     }
 
-    /// Write what is queued, stop the writer and give up the directory: a later `append`
-    /// fails, and another journal (a restart in the same process) may open it.
+    /// Sync what is written, stop the sync thread and give up the directory: a later
+    /// `append` fails, and another journal (a restart in the same process) may open it.
     pub fn close(&self) {
-        self.shared.queue.lock().closing = true;
+        self.shared.state.lock().closing = true;
         self.shared.wake.notify_one();
-        if let Some(h) = self.writer.lock().take() {
+        if let Some(h) = self.syncer.lock().take() {
             let _ = h.join();
         }
         self.lock.lock().take();
@@ -321,7 +344,8 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 /// The segment file being appended to.
 struct Open {
     first_seq: u64,
-    file: File,
+    /// Shared with the sync thread, which syncs it outside the state's lock.
+    file: Arc<File>,
     /// Bytes known good: a failed write is cut back to here.
     len: u64,
     /// A failed write could not be cut back: the next write starts with a newline, which
@@ -333,6 +357,8 @@ struct Open {
 }
 
 impl Open {
+    /// Open (or create) the segment starting at `first_seq`. Its name is durable once the
+    /// directory is synced, which the sync thread does before it acknowledges any entry.
     fn create(dir: &Path, first_seq: u64) -> Result<Open, JournalError> {
         let path = dir.join(format!("{first_seq:020}.log"));
         let file = OpenOptions::new()
@@ -341,10 +367,9 @@ impl Open {
             .open(&path)
             .map_err(|e| io_error("opening a segment", e))?;
         let len = file.metadata().map_err(|e| io_error("stat", e))?.len();
-        sync_dir(dir).map_err(|e| io_error("syncing the directory", e))?;
         Ok(Open {
             first_seq,
-            file,
+            file: Arc::new(file),
             len,
             torn: false,
             failed: false,
@@ -352,104 +377,34 @@ impl Open {
     }
 }
 
-/// The writer thread: take everything queued, append it, `fdatasync` once (or, in
-/// [`SyncMode::Write`], every [`BACKGROUND_SYNC`]), answer every waiter; then delete what
-/// the database has. Until `close`.
-fn write_loop(shared: &Shared, dir: &Path, sync: SyncMode) {
-    let mut open: Option<Open> = None;
-    // When the oldest write not yet on the disk was made (`SyncMode::Write`).
-    let mut dirty_since: Option<std::time::Instant> = None;
-    loop {
-        let (bytes, first_seq, waiters, applied, closing) = {
-            let mut q = shared.queue.lock();
-            while q.bytes.is_empty() && q.applied.is_none() && !q.closing {
-                match dirty_since {
-                    Some(t) => {
-                        if shared
-                            .wake
-                            .wait_until(&mut q, t + BACKGROUND_SYNC)
-                            .timed_out()
-                        {
-                            break;
-                        }
-                    }
-                    None => shared.wake.wait(&mut q),
-                }
-            }
-            (
-                std::mem::take(&mut q.bytes),
-                q.first_seq,
-                std::mem::take(&mut q.waiters),
-                q.applied.take(),
-                q.closing,
-            )
-        };
-        if !bytes.is_empty() {
-            let result = append(dir, &mut open, first_seq, &bytes, sync);
-            if sync == SyncMode::Write && result.is_ok() {
-                dirty_since.get_or_insert_with(std::time::Instant::now);
-            }
-            if let Err(e) = &result {
-                tracing::error!("{e}");
-            }
-            for w in waiters {
-                let _ = w.send(result.clone());
-            }
-        }
-        if dirty_since.is_some_and(|t| closing || t.elapsed() >= BACKGROUND_SYNC) {
-            // Put what was written on the disk.
-            if let Some(o) = &open
-                && let Err(e) = o.file.sync_data()
-            {
-                tracing::error!("usage journal: background fdatasync: {e}");
-            }
-            dirty_since = None;
-        }
-        if let Some(seq) = applied {
-            delete_applied(dir, seq, &mut open);
-        }
-        if closing && shared.queue.lock().bytes.is_empty() {
-            return;
-        }
+/// Append one line (entry `seq`) to the open segment, starting a new one past
+/// [`SEGMENT_BYTES`]. A failure cuts off whatever was half written, so the next line starts
+/// whole (or, when even that fails, ends the torn line with the next write's first byte).
+fn write_line(dir: &Path, st: &mut State, seq: u64, line: &[u8]) -> Result<(), JournalError> {
+    if st.open.as_ref().is_some_and(|o| o.len >= SEGMENT_BYTES) {
+        // Closed; the sync thread syncs it with the next group. This entry starts the next.
+        let full = st.open.take().expect("checked above");
+        st.closed.push(full.file);
     }
-}
-
-/// Append a group of lines (and make them durable, in [`SyncMode::Fdatasync`]). A failure
-/// cuts off whatever was half written, so the next group starts a whole line (or, when
-/// even that fails, ends the torn line with the next write's first byte).
-fn append(
-    dir: &Path,
-    open: &mut Option<Open>,
-    first_seq: u64,
-    bytes: &[u8],
-    sync: SyncMode,
-) -> Result<(), JournalError> {
-    if let Some(o) = open.as_ref().filter(|o| o.len >= SEGMENT_BYTES) {
-        // Close it, synced; the next segment starts with this group.
-        o.file.sync_data().map_err(|e| io_error("fdatasync", e))?;
-        *open = None;
-    }
-    if let Some(o) = open.as_mut().filter(|o| o.failed) {
+    if let Some(o) = st.open.as_mut().filter(|o| o.failed) {
         let torn = o.torn;
         *o = Open::create(dir, o.first_seq)?;
         o.torn = torn && o.len > 0;
+        st.dir_dirty = true;
     }
-    if open.is_none() {
-        *open = Some(Open::create(dir, first_seq)?);
+    if st.open.is_none() {
+        st.open = Some(Open::create(dir, seq)?);
+        st.dir_dirty = true;
     }
-    let o = open.as_mut().expect("opened above");
+    let o = st.open.as_mut().expect("opened above");
     let newline: &[u8] = if o.torn { b"\n" } else { b"" };
-    let written = (&o.file)
+    let written = (&*o.file)
         .write_all(newline)
-        .and_then(|()| (&o.file).write_all(bytes))
-        .and_then(|()| match sync {
-            SyncMode::Fdatasync => o.file.sync_data(),
-            SyncMode::Write => Ok(()),
-        })
+        .and_then(|()| (&*o.file).write_all(line))
         .map_err(|e| io_error("write", e));
     match written {
         Ok(()) => {
-            o.len += (newline.len() + bytes.len()) as u64;
+            o.len += (newline.len() + line.len()) as u64;
             o.torn = false;
             Ok(())
         }
@@ -461,10 +416,82 @@ fn append(
     }
 }
 
+/// The sync thread: put what was written on the disk with one `fdatasync` per group
+/// (segments closed since the last one, the open one, the directory when a segment was
+/// created) and answer the group's waiters; in [`SyncMode::Write`] every
+/// [`BACKGROUND_SYNC`]. Then delete what the database has. Until `close`.
+fn sync_loop(shared: &Shared, dir: &Path, sync: SyncMode) {
+    loop {
+        let (waiters, files, dir_dirty, applied, closing) = {
+            let mut st = shared.state.lock();
+            loop {
+                let due = match (sync, st.dirty_since) {
+                    (_, None) => false,
+                    (SyncMode::Fdatasync, Some(_)) => !st.waiters.is_empty(),
+                    (SyncMode::Write, Some(t)) => t.elapsed() >= BACKGROUND_SYNC,
+                };
+                if due || st.applied.is_some() || st.closing {
+                    break;
+                }
+                match (sync, st.dirty_since) {
+                    (SyncMode::Write, Some(t)) => {
+                        shared.wake.wait_until(&mut st, t + BACKGROUND_SYNC);
+                    }
+                    _ => shared.wake.wait(&mut st),
+                }
+            }
+            let due = st.closing
+                || match sync {
+                    SyncMode::Fdatasync => !st.waiters.is_empty(),
+                    SyncMode::Write => st
+                        .dirty_since
+                        .is_some_and(|t| t.elapsed() >= BACKGROUND_SYNC),
+                };
+            let mut files = Vec::new();
+            let mut dir_dirty = false;
+            if due && st.dirty_since.is_some() {
+                st.dirty_since = None;
+                files = std::mem::take(&mut st.closed);
+                files.extend(st.open.as_ref().map(|o| o.file.clone()));
+                dir_dirty = std::mem::take(&mut st.dir_dirty);
+            }
+            (
+                std::mem::take(&mut st.waiters),
+                files,
+                dir_dirty,
+                st.applied.take(),
+                st.closing,
+            )
+        };
+        // Outside the lock: requests go on writing while the disk flushes.
+        let mut result = Ok(());
+        if dir_dirty && let Err(e) = sync_dir(dir) {
+            result = Err(io_error("syncing the directory", e));
+        }
+        for f in &files {
+            if let Err(e) = f.sync_data() {
+                result = Err(io_error("fdatasync", e));
+            }
+        }
+        if let Err(e) = &result {
+            tracing::error!("{e}");
+        }
+        for w in waiters {
+            let _ = w.send(result.clone());
+        }
+        if let Some(seq) = applied {
+            delete_applied(dir, seq, shared);
+        }
+        if closing {
+            return;
+        }
+    }
+}
+
 /// Delete the segments whose entries are all at or under `applied`: every segment but the
-/// last whose successor starts at or before `applied + 1`. The open segment is closed first
-/// when it goes (its entries are all synced; the next group starts a new one).
-fn delete_applied(dir: &Path, applied: u64, open: &mut Option<Open>) {
+/// last whose successor starts at or before `applied + 1`. The open segment, always the
+/// last, never goes.
+fn delete_applied(dir: &Path, applied: u64, shared: &Shared) {
     let Ok(all) = segments(dir) else {
         return;
     };
@@ -473,8 +500,14 @@ fn delete_applied(dir: &Path, applied: u64, open: &mut Option<Open>) {
         if *next_first > applied.saturating_add(1) {
             break;
         }
-        if open.as_ref().is_some_and(|o| o.first_seq == *first) {
-            *open = None;
+        if shared
+            .state
+            .lock()
+            .open
+            .as_ref()
+            .is_some_and(|o| o.first_seq == *first)
+        {
+            continue;
         }
         if let Err(e) = std::fs::remove_file(path) {
             tracing::warn!("usage journal: deleting {}: {e}", path.display());
