@@ -115,9 +115,10 @@ struct NodeArgs {
     /// Serve the text model with this context window (at most the model's own).
     #[arg(long)]
     context_window: Option<usize>,
-    /// Control plane to register with (heartbeats every second).
-    #[arg(long)]
-    control_plane: Option<String>,
+    /// Control-plane replica to register with (heartbeats every second); repeat it, or
+    /// separate URLs with commas, to tell every replica.
+    #[arg(long, value_delimiter = ',')]
+    control_plane: Vec<String>,
     /// The URL the control plane reaches this node at (default: http://<listen>).
     #[arg(long)]
     advertise: Option<String>,
@@ -259,7 +260,7 @@ fn run_node(args: NodeArgs) -> anyhow::Result<()> {
             cfg.api_token =
                 Some(bulkhead_runtime::node_auth::ApiToken::new(t).context("--api-token")?)
         }
-        None if args.control_plane.is_none() => tracing::warn!(
+        None if args.control_plane.is_empty() => tracing::warn!(
             "no --api-token and no --control-plane: this node's API accepts no caller"
         ),
         None => {}
@@ -288,7 +289,8 @@ fn run_node(args: NodeArgs) -> anyhow::Result<()> {
                 cfg.transfer.clone(),
             ));
         }
-        if let Some(cp) = args.control_plane {
+        if !args.control_plane.is_empty() {
+            let cps = args.control_plane;
             let token = args
                 .node_token
                 .context("--control-plane needs a token (--node-token or BULKHEAD_NODE_TOKEN)")?;
@@ -296,9 +298,9 @@ fn run_node(args: NodeArgs) -> anyhow::Result<()> {
                 .node_id
                 .context("--control-plane needs the node's id (--node-id or BULKHEAD_NODE_ID), the one its node token was minted for")?;
             let address = args.advertise.unwrap_or_else(|| format!("http://{local}"));
-            tracing::info!(node_id = %id, "registering with the control plane at {cp}");
+            tracing::info!(node_id = %id, "registering with the control plane at {}", cps.join(", "));
             tokio::spawn(bulkhead_platform::nodes::run_heartbeats(
-                cp,
+                cps,
                 token,
                 id,
                 address,

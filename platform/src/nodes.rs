@@ -471,11 +471,13 @@ pub async fn embed(
         .map_err(|e| Attempt::Failed(ApiError::internal(format!("bad node answer: {e}"))))
 }
 
-/// The heartbeat loop of a node registered with a control plane: report state every
-/// second until the process ends, authenticated by the node's token (`token`, scope `node`,
-/// minted for `id`). Failures are logged; the next beat retries.
+/// The heartbeat loop of a node registered with control-plane replicas: report state to
+/// each of them every second until the process ends, authenticated by the node's token
+/// (`token`, scope `node`, minted for `id`). Each replica is told directly, so a node stays
+/// routable through any replica that is up while another is down (with Redis the registry
+/// is shared too). Failures are logged; the next beat retries.
 pub async fn run_heartbeats(
-    control_plane: String,
+    control_planes: Vec<String>,
     token: String,
     id: String,
     address: String,
@@ -485,12 +487,11 @@ pub async fn run_heartbeats(
         .timeout(Duration::from_secs(2))
         .build()
         .expect("HTTP client");
-    let url = format!(
-        "{}/internal/v1/nodes/heartbeat",
-        control_plane.trim_end_matches('/')
-    );
+    let mut replicas: Vec<(String, bool)> = control_planes
+        .into_iter()
+        .map(|cp| (cp.trim_end_matches('/').to_string(), false))
+        .collect();
     let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
-    let mut failing = false;
     loop {
         tick.tick().await;
         let hb = Heartbeat {
@@ -499,24 +500,33 @@ pub async fn run_heartbeats(
             api_token: node.api_token.clone(),
             state: bulkhead_runtime::server::node_state(&node),
         };
-        match http.post(&url).bearer_auth(&token).json(&hb).send().await {
-            Ok(r) if r.status().is_success() => {
-                if failing {
-                    tracing::info!("heartbeats to {control_plane} accepted again");
+        let beats = replicas.iter().map(|(cp, _)| {
+            http.post(format!("{cp}/internal/v1/nodes/heartbeat"))
+                .bearer_auth(&token)
+                .json(&hb)
+                .send()
+        });
+        let answers = futures::future::join_all(beats).await;
+        for ((cp, failing), answer) in replicas.iter_mut().zip(answers) {
+            match answer {
+                Ok(r) if r.status().is_success() => {
+                    if *failing {
+                        tracing::info!("heartbeats to {cp} accepted again");
+                    }
+                    *failing = false;
                 }
-                failing = false;
-            }
-            Ok(r) => {
-                if !failing {
-                    tracing::warn!("control plane refused the heartbeat: {}", r.status());
+                Ok(r) => {
+                    if !*failing {
+                        tracing::warn!("control plane {cp} refused the heartbeat: {}", r.status());
+                    }
+                    *failing = true;
                 }
-                failing = true;
-            }
-            Err(e) => {
-                if !failing {
-                    tracing::warn!("cannot reach the control plane at {control_plane}: {e}");
+                Err(e) => {
+                    if !*failing {
+                        tracing::warn!("cannot reach the control plane at {cp}: {e}");
+                    }
+                    *failing = true;
                 }
-                failing = true;
             }
         }
     }

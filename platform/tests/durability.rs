@@ -5,6 +5,8 @@
 //! - The usage journal on a full disk (`/dev/full`): requests fail with 503/3042, a stream
 //!   ends with an error event instead of `[DONE]`, never a 200 whose usage is not on disk;
 //!   once the disk has room again, requests succeed and every one is counted.
+//! - A control-plane replica killed with SIGKILL: the other one serves everything, and no
+//!   usage is lost once the killed one is back on its data.
 //! - The journal's recovery: a crash between the database write and the segment deletion
 //!   does not count twice; a torn last line is dropped.
 
@@ -46,12 +48,22 @@ fn spawn_serve(data: &std::path::Path, sync: &str) -> (Child, String) {
         ),
     )
     .unwrap();
+    spawn_bulkhead(
+        &["serve", "--config", config.to_str().unwrap()],
+        &[
+            ("BULKHEAD_DATA", data.to_str().unwrap()),
+            ("BULKHEAD_LISTEN", "127.0.0.1:0"),
+            ("BULKHEAD_ADMIN_TOKEN", ADMIN),
+        ],
+    )
+}
+
+/// The `bulkhead` binary with `args` and `envs`, and the address it printed that it listens
+/// on (the first `http://127.0.0.1:` in its log).
+fn spawn_bulkhead(args: &[&str], envs: &[(&str, &str)]) -> (Child, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
-        .args(["serve", "--config"])
-        .arg(&config)
-        .env("BULKHEAD_DATA", data)
-        .env("BULKHEAD_LISTEN", "127.0.0.1:0")
-        .env("BULKHEAD_ADMIN_TOKEN", ADMIN)
+        .args(args)
+        .envs(envs.iter().copied())
         .env("RUST_LOG", "info")
         .env("BULKHEAD_LOG_FORMAT", "json")
         .stdout(Stdio::piped())
@@ -80,7 +92,7 @@ fn spawn_serve(data: &std::path::Path, sync: &str) -> (Child, String) {
     }
     let url = rx
         .recv_timeout(Duration::from_secs(120))
-        .expect("bulkhead serve printed its address");
+        .expect("bulkhead printed its address");
     (child, url)
 }
 
@@ -205,6 +217,183 @@ async fn usage_survives_kill_9(sync: &str) {
         (n, settled),
         (answered, answered),
         "usage after kill -9 and restart (usage_sync = {sync})"
+    );
+}
+
+/// A replica of two on one PostgreSQL and Redis, on its own data directory: `bulkhead serve`
+/// serving no model, behind which sits a node registered with both replicas.
+fn spawn_replica(data: &std::path::Path, db: &str, redis_prefix: &str) -> (Child, String) {
+    let config = data.join("serve.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "redis_prefix = \"{redis_prefix}\"\n\
+             [node]\ntext_models = []\nembedding_models = []\n"
+        ),
+    )
+    .unwrap();
+    spawn_bulkhead(
+        &["serve", "--config", config.to_str().unwrap()],
+        &[
+            ("BULKHEAD_DATA", data.to_str().unwrap()),
+            ("BULKHEAD_LISTEN", "127.0.0.1:0"),
+            ("BULKHEAD_ADMIN_TOKEN", ADMIN),
+            ("BULKHEAD_DATABASE_URL", db),
+            ("BULKHEAD_REDIS_URL", "redis://127.0.0.1:6379"),
+        ],
+    )
+}
+
+/// Two control-plane replicas, one node registered with both (`--control-plane A,B`).
+/// Replica A is killed with SIGKILL after answering its share: B goes on serving every
+/// request, for longer than a node's heartbeat goes stale (the node tells B directly), and
+/// once A is back on its own data, usage counts every answered request exactly once,
+/// including those A answered just before it died (its journal is replayed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_killed_leaves_the_other_serving_and_loses_no_usage() {
+    let (db, admin_db) = common::postgres_schema().await;
+    let prefix = format!("bulkhead-test-replica-kill-{}", common::rand_suffix());
+    let (data_a, data_b) = (data_dir("replica-a"), data_dir("replica-b"));
+    let http = reqwest::Client::new();
+    let (mut a, url_a) = spawn_replica(&data_a, &db, &prefix);
+    let (mut b, url_b) = spawn_replica(&data_b, &db, &prefix);
+    wait_healthy(&http, &url_a).await;
+    wait_healthy(&http, &url_b).await;
+
+    let tenant = admin(
+        &http,
+        &url_a,
+        reqwest::Method::POST,
+        "/admin/v1/tenants",
+        Some(json!({"name": "replica-kill"})),
+    )
+    .await;
+    let account = tenant["result"]["id"].as_str().unwrap().to_string();
+    let token = admin(
+        &http,
+        &url_a,
+        reqwest::Method::POST,
+        &format!("/admin/v1/tenants/{account}/tokens"),
+        Some(json!({"name": "t"})),
+    )
+    .await["result"]["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let node_token = admin(
+        &http,
+        &url_a,
+        reqwest::Method::POST,
+        "/admin/v1/nodes/node-1/tokens",
+        Some(json!({"name": "node-1"})),
+    )
+    .await["result"]["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let node_config = data_a.join("node.toml");
+    std::fs::write(
+        &node_config,
+        format!("text_models = []\n[[embedding_models]]\nname = \"{EMBED}\"\n"),
+    )
+    .unwrap();
+    let (mut node, _) = spawn_bulkhead(
+        &[
+            "node",
+            "--config",
+            node_config.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--node-id",
+            "node-1",
+            "--control-plane",
+            &format!("{url_a},{url_b}"),
+        ],
+        &[("BULKHEAD_NODE_TOKEN", node_token.as_str())],
+    );
+
+    // Both replicas route to the node; the model is published once, for both.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for url in [&url_a, &url_b] {
+        loop {
+            let nodes = admin(&http, url, reqwest::Method::GET, "/admin/v1/nodes", None).await;
+            let up = nodes["result"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|n| n["id"] == "node-1" && n["healthy"] == true);
+            if up {
+                break;
+            }
+            assert!(Instant::now() < deadline, "node-1 never healthy on {url}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    admin(
+        &http,
+        &url_a,
+        reqwest::Method::PATCH,
+        &format!("/admin/v1/models/{}", EMBED.replace('/', "%2F")),
+        Some(json!({"visibility": "public"})),
+    )
+    .await;
+
+    let embed = |url: String, i: usize| {
+        let (http, token, account) = (http.clone(), token.clone(), account.clone());
+        async move {
+            // Replica B learns of the publication through Redis; until then it may refuse.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let r = http
+                    .post(format!("{url}/client/v4/accounts/{account}/ai/run/{EMBED}"))
+                    .bearer_auth(&token)
+                    .json(&json!({"text": format!("request {i}")}))
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status();
+                if status == 200 || Instant::now() > deadline {
+                    return (status, r.text().await.unwrap());
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    // Each replica answers half of the first 40.
+    for i in 0..40 {
+        let url = if i % 2 == 0 { &url_a } else { &url_b };
+        let (status, body) = embed(url.clone(), i).await;
+        assert_eq!(status, 200, "request {i} via {url}: {body}");
+    }
+    a.kill().unwrap();
+    a.wait().unwrap();
+    // Past the time a heartbeat goes stale, B still routes to the node, which tells it.
+    tokio::time::sleep(bulkhead_platform::nodes::STALE_AFTER + Duration::from_secs(1)).await;
+    for i in 40..80 {
+        let (status, body) = embed(url_b.clone(), i).await;
+        assert_eq!(status, 200, "request {i} via B with A dead: {body}");
+    }
+
+    // A restarts on its own data; its journal's entries reach the database once.
+    let (mut a, url_a) = spawn_replica(&data_a, &db, &prefix);
+    wait_healthy(&http, &url_a).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut n = counted(&http, &url_b, &account, EMBED).await;
+    while n < 80 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        n = counted(&http, &url_b, &account, EMBED).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let settled = counted(&http, &url_a, &account, EMBED).await;
+    for p in [&mut a, &mut b, &mut node] {
+        p.kill().unwrap();
+        p.wait().unwrap();
+    }
+    common::drop_schema(&admin_db).await;
+    assert_eq!(
+        (n, settled),
+        (80, 80),
+        "usage of every answered request, once"
     );
 }
 

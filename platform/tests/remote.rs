@@ -90,7 +90,7 @@ async fn a_registered_node_is_routed_to_and_its_errors_keep_their_meaning() {
     let credential = node_token(&http, &cp_url, "node-1").await;
     let node_for_state = node.clone();
     let beats = tokio::spawn(bulkhead_platform::nodes::run_heartbeats(
-        cp_url.clone(),
+        vec![cp_url.clone()],
         credential["token"].as_str().unwrap().into(),
         "node-1".into(),
         node_url.clone(),
@@ -325,7 +325,7 @@ async fn with_redis_every_replica_routes_to_a_node_that_heartbeats_to_one_of_the
     let http = reqwest::Client::new();
     let credential = node_token(&http, &a, "shared-node").await;
     let beats = tokio::spawn(bulkhead_platform::nodes::run_heartbeats(
-        a.clone(),
+        vec![a.clone()],
         credential["token"].as_str().unwrap().into(),
         "shared-node".into(),
         node_url,
