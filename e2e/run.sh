@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end tests with real clients against the real `bulkhead` binary: the official SDKs
 # (pytest), the 2026 incident as separate control-plane, prefill and decode processes
-# (pytest), then the admin UI: its logic (Vitest), and the UI itself in headless Chromium.
+# (pytest), the adversarial soak (bounded), then the admin UI: its logic (Vitest), and the UI itself in headless Chromium.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=e2e/.venv
@@ -14,6 +14,9 @@ fi
 cargo build --quiet --workspace --all-targets
 export BULKHEAD_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/bulkhead"
 "$venv/bin/python" -m pytest -q e2e/sdk e2e/incident e2e/workers e2e/api
+# The adversarial soak, bounded: 2,000 requests and one cycle of faults on its own
+# PostgreSQL, Redis, replicas and nodes (the full run is in docs/reliability.md).
+"$venv/bin/python" e2e/soak/soak.py --requests 2000
 
 npm_ci() { # DIR: install its locked packages when they are missing or older than the lock
   if [ ! "$1/node_modules/.package-lock.json" -nt "$1/package-lock.json" ]; then

@@ -196,6 +196,9 @@ impl From<RuntimeError> for ApiError {
                 kind,
                 format!("KV transfer failed: {t}"),
             ),
+            // As a node unreachable before the request started: the request was fine.
+            RuntimeError::NodeLost(m) => Self::new(StatusCode::BAD_GATEWAY, 3040, kind, m.clone())
+                .with_header(header::RETRY_AFTER, HeaderValue::from(1)),
             RuntimeError::Isolation(_) | RuntimeError::Internal(_) => {
                 let mut err = Self::internal(&e);
                 err.kind = kind;

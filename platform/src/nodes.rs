@@ -148,7 +148,9 @@ impl Registry {
     }
 
     /// Record a heartbeat (and share it, with Redis): what it changed of the node's
-    /// placement, for the audit log.
+    /// placement, for the audit log. This replica's own copy is updated first and never waits
+    /// on Redis: with Redis down or reconnecting, the nodes that heartbeat here stay
+    /// routable through here.
     pub async fn heartbeat(&self, hb: Heartbeat) -> PlacementChange {
         let node = RemoteNode {
             id: hb.id,
@@ -157,12 +159,23 @@ impl Registry {
             state: hb.state,
             last_seen_ms: now_ms(),
         };
-        if let Some(redis) = &self.redis {
+        if let Some(redis) = self.redis.clone() {
             match serde_json::to_string(&node) {
                 Ok(json) => {
-                    if let Err(e) = redis.put_node(&node.id, &json).await {
-                        tracing::warn!(node = %node.id, "heartbeat not shared through Redis: {e}");
-                    }
+                    let id = node.id.clone();
+                    tokio::spawn(async move {
+                        let shared =
+                            tokio::time::timeout(HEARTBEAT_EVERY, redis.put_node(&id, &json));
+                        match shared.await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(e)) => {
+                                tracing::warn!(node = %id, "heartbeat not shared through Redis: {e}")
+                            }
+                            Err(_) => {
+                                tracing::warn!(node = %id, "heartbeat not shared through Redis: timed out")
+                            }
+                        }
+                    });
                 }
                 Err(e) => tracing::warn!("heartbeat not serialisable: {e}"),
             }
@@ -391,7 +404,7 @@ pub async fn generate(
             }
         }
         if !finished {
-            let _ = tx.send(GenEvent::Error(RuntimeError::Internal(format!(
+            let _ = tx.send(GenEvent::Error(RuntimeError::NodeLost(format!(
                 "lost the connection to node {node_id} mid-generation"
             ))));
         }

@@ -113,6 +113,9 @@ pub enum RuntimeError {
     Isolation(String),
     #[error("KV transfer failed: {0}")]
     Transfer(#[from] TransferError),
+    /// The node serving the request went away (crashed, cut off) before it finished.
+    #[error("node lost: {0}")]
+    NodeLost(String),
     #[error("request cancelled")]
     Cancelled,
     #[error("internal error: {0}")]
@@ -132,6 +135,7 @@ impl RuntimeError {
             RuntimeError::Overloaded { .. } => "overloaded",
             RuntimeError::Isolation(_) => "isolation_violation",
             RuntimeError::Transfer(_) => "kv_transfer_failed",
+            RuntimeError::NodeLost(_) => "node_lost",
             RuntimeError::Cancelled => "cancelled",
             RuntimeError::Internal(_) => "internal",
         }
@@ -145,7 +149,7 @@ impl RuntimeError {
             RuntimeError::BadInput(_) | RuntimeError::UnknownModel(_) => 400,
             RuntimeError::Overloaded { .. } => 503,
             // The request was fine; the node it depended on failed it.
-            RuntimeError::Transfer(_) => 502,
+            RuntimeError::Transfer(_) | RuntimeError::NodeLost(_) => 502,
             // 499 is the de-facto "client closed request" status; it is only logged.
             RuntimeError::Cancelled => 499,
             RuntimeError::Isolation(_) | RuntimeError::Internal(_) => 500,
