@@ -133,13 +133,13 @@ fn main() -> anyhow::Result<()> {
     let long_prompt = tokenizer.decode(&ids[..PROMPT_TOKENS])?;
     let short_prompt = tokenizer.decode(&ids[..32])?;
     let layout = llama.cfg.kv_layout();
-    let model = Arc::new(TextModel {
-        name: "bench".into(),
+    let model = Arc::new(TextModel::new(
+        "bench".into(),
         llama,
         tokenizer,
-        context_window: 8192,
-        default_system_prompt: None,
-    });
+        8192,
+        None,
+    )?);
     let pool = Arc::new(KvPool::with_capacity_tokens(layout, 16, 16 * 1024));
     let cfg = EngineConfig {
         step_token_budget: 512,

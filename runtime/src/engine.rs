@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::admission::check_generation;
+use crate::constraint::{ConstrainedSequence, GrammarCompiler};
 use crate::error::RuntimeError;
 use crate::kv::{KvPool, Owner, PageRef, SeqKv};
 use crate::metrics::{NodeMetrics, label};
@@ -28,11 +29,34 @@ use crate::sampling::{Piece, Sampler, SamplingParams, TextStream};
 pub struct TextModel {
     pub name: String,
     pub llama: LlamaModel,
-    pub tokenizer: TextTokenizer,
+    pub tokenizer: Arc<TextTokenizer>,
+    /// Compiles structured-output constraints over this model's tokens.
+    pub grammar: GrammarCompiler,
     /// The served context window (at most the model's own).
     pub context_window: usize,
     /// System turn put first when a request brings none (see `TextModelConfig`).
     pub default_system_prompt: Option<String>,
+}
+
+impl TextModel {
+    pub fn new(
+        name: String,
+        llama: LlamaModel,
+        tokenizer: TextTokenizer,
+        context_window: usize,
+        default_system_prompt: Option<String>,
+    ) -> Result<TextModel, RuntimeError> {
+        let tokenizer = Arc::new(tokenizer);
+        let grammar = GrammarCompiler::new(tokenizer.clone(), llama.cfg.vocab_size)?;
+        Ok(TextModel {
+            name,
+            llama,
+            tokenizer,
+            grammar,
+            context_window,
+            default_system_prompt,
+        })
+    }
 }
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -195,6 +219,8 @@ struct Job {
     owner: Owner,
     prompt: Vec<u32>,
     params: SamplingParams,
+    /// `params.constraint` compiled (at submission, so a bad schema is refused at once).
+    constraint: Option<ConstrainedSequence>,
     events: UnboundedSender<GenEvent>,
     deadline: Instant,
     mode: JobMode,
@@ -216,6 +242,7 @@ struct Running {
     generated: Vec<u32>,
     params: SamplingParams,
     sampler: Sampler,
+    constraint: Option<ConstrainedSequence>,
     text: TextStream,
     events: UnboundedSender<GenEvent>,
     admitted_at: Instant,
@@ -391,6 +418,13 @@ impl Engine {
                 prompt.len()
             )));
         }
+        let constraint = match self.compile_constraint(&params) {
+            Ok(c) => c,
+            Err(e) => {
+                self.pool.release(&mut kv);
+                return Err(e);
+            }
+        };
         let (tx, rx) = unbounded_channel();
         let owner = kv.owner().clone();
         let prompt_tokens = prompt.len();
@@ -399,6 +433,7 @@ impl Engine {
             owner: owner.clone(),
             prompt,
             params,
+            constraint,
             events: tx,
             deadline: Instant::now() + Duration::from_millis(self.cfg.queue_timeout_ms),
             mode: JobMode::Transferred { kv, logits },
@@ -417,12 +452,25 @@ impl Engine {
         })
     }
 
+    /// The request's structured-output constraint, compiled for this model.
+    fn compile_constraint(
+        &self,
+        params: &SamplingParams,
+    ) -> Result<Option<ConstrainedSequence>, RuntimeError> {
+        params
+            .constraint
+            .as_ref()
+            .map(|c| self.model.grammar.compile(c))
+            .transpose()
+    }
+
     fn check_and_queue(
         &self,
         req: GenerateRequest,
         prefill_only: bool,
     ) -> Result<Submission, RuntimeError> {
         req.params.validate()?;
+        let constraint = self.compile_constraint(&req.params)?;
         let prompt = self.tokenize_prompt(&req.input)?;
         let mut params = req.params;
         params.fit_default_to_window(prompt.len(), self.model.context_window);
@@ -452,6 +500,7 @@ impl Engine {
             },
             prompt,
             params,
+            constraint,
             events: tx,
             deadline: Instant::now() + Duration::from_millis(self.cfg.queue_timeout_ms),
             mode: if prefill_only {
@@ -625,6 +674,7 @@ impl Worker {
             prefilled,
             generated,
             sampler,
+            constraint: job.constraint,
             text,
             params: job.params,
             prompt: job.prompt,
@@ -851,6 +901,10 @@ impl Worker {
         r: &mut Running,
         logits: Vec<f32>,
     ) -> Result<Option<FinishReason>, RuntimeError> {
+        let mut logits = logits;
+        if let Some(c) = &mut r.constraint {
+            c.mask(&mut logits)?;
+        }
         let id = r.sampler.sample(logits, &r.prompt, &r.generated)?;
         let now = Instant::now();
         let l = label(&model.name);
@@ -872,6 +926,15 @@ impl Worker {
             }
             return Ok(Some(FinishReason::Stop));
         }
+        // The grammar moves on; a complete answer it allows nothing after ends here (below,
+        // once its text is out), as end of sequence would.
+        let grammar_done = match &mut r.constraint {
+            Some(c) => {
+                c.advance(id)?;
+                c.is_finished()
+            }
+            None => false,
+        };
         r.generated.push(id);
         metrics.tokens_generated.get_or_create(&l).inc();
         let full = model.tokenizer.decode(&r.generated)?;
@@ -887,6 +950,13 @@ impl Worker {
                 }
                 return Ok(Some(FinishReason::Stop));
             }
+        }
+        if grammar_done {
+            let rest = r.text.flush();
+            if !rest.is_empty() {
+                let _ = r.events.send(GenEvent::Token { text: rest });
+            }
+            return Ok(Some(FinishReason::Stop));
         }
         if r.generated.len() >= r.params.max_tokens {
             let rest = r.text.flush();

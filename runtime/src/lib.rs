@@ -7,6 +7,7 @@
 //! and `server` is the node's HTTP API.
 
 pub mod admission;
+pub mod constraint;
 pub mod device;
 pub mod engine;
 pub mod error;

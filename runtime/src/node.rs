@@ -270,13 +270,13 @@ impl Node {
                 pool_mib = (pool.capacity_tokens() * layout.bytes_per_token()) >> 20,
                 "text model ready"
             );
-            let model = Arc::new(TextModel {
-                name: m.name.clone(),
+            let model = Arc::new(TextModel::new(
+                m.name.clone(),
                 llama,
                 tokenizer,
                 context_window,
-                default_system_prompt: m.system_prompt.clone(),
-            });
+                m.system_prompt.clone(),
+            )?);
             let engine = Engine::start(model, pool, cfg.engine.clone(), metrics.clone());
             text.insert(m.name.clone(), engine);
         }

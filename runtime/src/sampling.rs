@@ -28,6 +28,8 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Keep generating past end-of-sequence tokens until `max_tokens` (benchmarks; as vLLM).
     pub ignore_eos: bool,
+    /// Structured output: what the answer must be (see `constraint`).
+    pub constraint: Option<crate::constraint::Constraint>,
 }
 
 impl Default for SamplingParams {
@@ -44,6 +46,7 @@ impl Default for SamplingParams {
             max_tokens_is_default: false,
             stop: Vec::new(),
             ignore_eos: false,
+            constraint: None,
         }
     }
 }

@@ -484,8 +484,29 @@ mod tests {
             ),
             (with("tool_choice", json!("required")), "tools"),
             (
-                with("response_format", json!({"type": "json_object"})),
-                "response_format",
+                with("response_format", json!({"type": "xml"})),
+                "response_format.type",
+            ),
+            (
+                with(
+                    "response_format",
+                    json!({"type": "json_schema", "json_schema": {"schema": {}}}),
+                ),
+                "response_format.json_schema.name",
+            ),
+            (
+                with(
+                    "response_format",
+                    json!({"type": "json_schema", "json_schema": {"name": "a", "schema": 3}}),
+                ),
+                "response_format.json_schema.schema",
+            ),
+            (
+                with(
+                    "response_format",
+                    json!({"type": "json_object", "schema": {}}),
+                ),
+                "response_format.schema",
             ),
             (with("logprobs", json!(true)), "logprobs"),
             (with("top_logprobs", json!(2)), "top_logprobs"),

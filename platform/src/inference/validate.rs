@@ -6,6 +6,7 @@
 //! is range-checked before any arithmetic; nothing is clamped or dropped silently. Fields that
 //! are not implemented yet are refused here, by name, so no surface can accept one.
 
+use bulkhead_runtime::constraint::{Constraint, MAX_SCHEMA_BYTES};
 use bulkhead_runtime::engine::PromptInput;
 use bulkhead_runtime::models::tokenizer::ChatMessage;
 use bulkhead_runtime::sampling::SamplingParams;
@@ -54,8 +55,9 @@ pub struct TextInput {
     pub ignore_eos: bool,
     /// Completions asked for (OpenAI's `n`).
     pub n: Option<u64>,
-    /// Structured output and tools: refused until constrained decoding exists.
+    /// Structured output, as the surface's clients write it (see [`response_format`]).
     pub response_format: Option<serde_json::Value>,
+    /// Function calling: refused until it exists.
     pub tools: Option<serde_json::Value>,
 }
 
@@ -167,12 +169,12 @@ pub fn validate_text(model: &ModelRecord, input: TextInput) -> Result<ValidTextR
     if let Some(n) = input.n {
         within_range("n", n, 1..=1)?;
     }
-    if input.response_format.is_some() {
-        return Err(ApiError::bad_field(
-            "response_format",
-            "structured outputs are not supported yet",
-        ));
-    }
+    let constraint = input
+        .response_format
+        .as_ref()
+        .map(|f| response_format(input.surface, f))
+        .transpose()?
+        .flatten();
     if input.tools.is_some() {
         return Err(ApiError::bad_field(
             "tools",
@@ -263,6 +265,7 @@ pub fn validate_text(model: &ModelRecord, input: TextInput) -> Result<ValidTextR
         max_tokens_is_default: input.max_tokens.is_none(),
         stop: input.stop,
         ignore_eos: input.ignore_eos,
+        constraint,
     };
     // The runtime's own checks, so that nothing it would refuse reaches it.
     params.validate()?;
@@ -270,6 +273,97 @@ pub fn validate_text(model: &ModelRecord, input: TextInput) -> Result<ValidTextR
         input: input.prompt,
         params,
     })
+}
+
+/// `response_format` as a constraint on the answer. `{"type": "text"}` asks for nothing;
+/// `{"type": "json_object"}` for any JSON object; `{"type": "json_schema", "json_schema": ..}`
+/// for JSON valid against a schema, which OpenAI wraps as `{"name", "schema", "strict",
+/// "description"}` and Workers AI gives as the schema itself. Whether the engine can use
+/// the schema is the node's check (it compiles it); the shape is checked here.
+fn response_format(
+    surface: Surface,
+    format: &serde_json::Value,
+) -> Result<Option<Constraint>, ApiError> {
+    const FIELD: &str = "response_format";
+    let fail = |field: &str, m: &str| ApiError::bad_field(field, m);
+    let Some(obj) = format.as_object() else {
+        return Err(fail(FIELD, "must be an object with a type"));
+    };
+    let only = |allowed: &[&str]| match obj.keys().find(|k| !allowed.contains(&k.as_str())) {
+        Some(k) => Err(fail(&format!("{FIELD}.{k}"), "unknown field")),
+        None => Ok(()),
+    };
+    let schema = match obj.get("type").and_then(|t| t.as_str()) {
+        Some("text") => return only(&["type"]).map(|()| None),
+        Some("json_object") => return only(&["type"]).map(|()| Some(Constraint::JsonObject)),
+        Some("json_schema") => {
+            only(&["type", "json_schema"])?;
+            let Some(js) = obj.get("json_schema") else {
+                return Err(fail(
+                    &format!("{FIELD}.json_schema"),
+                    "is required with type json_schema",
+                ));
+            };
+            match surface {
+                Surface::WorkersAi => js.clone(),
+                Surface::OpenAi => {
+                    let field = format!("{FIELD}.json_schema");
+                    let Some(w) = js.as_object() else {
+                        return Err(fail(&field, "must be an object with a name and a schema"));
+                    };
+                    if let Some(k) = w.keys().find(|k| {
+                        !["name", "schema", "strict", "description"].contains(&k.as_str())
+                    }) {
+                        return Err(fail(&format!("{field}.{k}"), "unknown field"));
+                    }
+                    let name_ok = w.get("name").and_then(|n| n.as_str()).is_some_and(|n| {
+                        (1..=64).contains(&n.len())
+                            && n.chars()
+                                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+                    });
+                    if !name_ok {
+                        return Err(fail(
+                            &format!("{field}.name"),
+                            "is required: 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                        ));
+                    }
+                    if w.get("strict").is_some_and(|v| !v.is_boolean()) {
+                        return Err(fail(&format!("{field}.strict"), "must be a boolean"));
+                    }
+                    if w.get("description").is_some_and(|v| !v.is_string()) {
+                        return Err(fail(&format!("{field}.description"), "must be a string"));
+                    }
+                    // Every answer is held to the schema, strict or not.
+                    match w.get("schema") {
+                        Some(schema) => schema.clone(),
+                        None => return Err(fail(&format!("{field}.schema"), "is required")),
+                    }
+                }
+            }
+        }
+        Some(other) => {
+            return Err(fail(
+                &format!("{FIELD}.type"),
+                &format!("{other:?} is not one of text, json_object, json_schema"),
+            ));
+        }
+        None => return Err(fail(&format!("{FIELD}.type"), "is required")),
+    };
+    let schema_field = match surface {
+        Surface::WorkersAi => "response_format.json_schema",
+        Surface::OpenAi => "response_format.json_schema.schema",
+    };
+    if !schema.is_object() {
+        return Err(fail(schema_field, "must be a JSON Schema object"));
+    }
+    let size = serde_json::to_vec(&schema).map_or(usize::MAX, |v| v.len());
+    if size > MAX_SCHEMA_BYTES {
+        return Err(fail(
+            schema_field,
+            &format!("is {size} bytes; at most {MAX_SCHEMA_BYTES}"),
+        ));
+    }
+    Ok(Some(Constraint::JsonSchema { schema }))
 }
 
 fn check_prompt(prompt: &PromptInput) -> Result<(), ApiError> {
@@ -559,10 +653,20 @@ mod tests {
             ),
             (
                 TextInput {
-                    response_format: Some(serde_json::json!({"type": "json_object"})),
+                    response_format: Some(serde_json::json!({"type": "json_schema",
+                        "json_schema": {"name": "n", "schema": {"type": "object"}, "x": 1}})),
                     ..text(Surface::OpenAi)
                 },
-                "response_format",
+                "response_format.json_schema.x",
+            ),
+            (
+                TextInput {
+                    response_format: Some(serde_json::json!({"type": "json_schema",
+                        "json_schema": {"type": "string", "maxLength": 1_000_000, "description":
+                            "x".repeat(bulkhead_runtime::constraint::MAX_SCHEMA_BYTES)}})),
+                    ..text(Surface::WorkersAi)
+                },
+                "response_format.json_schema",
             ),
             (
                 TextInput {

@@ -19,6 +19,30 @@ use crate::error::RuntimeError;
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
+/// What marks a special token's bytes (toktrie's convention).
+pub const SPECIAL_TOKEN_MARKER: u8 = 0xff;
+
+/// A byte-level BPE token's bytes. GPT-2 writes each byte as a printable character: the
+/// printable ASCII and Latin-1 ones as themselves, the other 68 as U+0100.. in byte order.
+/// A token with a character outside that alphabet (an added token's text) is its UTF-8.
+fn byte_level_bytes(token: &str) -> Vec<u8> {
+    fn printable(b: u8) -> bool {
+        matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF)
+    }
+    static SHIFTED: std::sync::LazyLock<Vec<u8>> =
+        std::sync::LazyLock::new(|| (0..=255u8).filter(|b| !printable(*b)).collect());
+    let byte_of = |c: char| match c as u32 {
+        n @ 0..=255 if printable(n as u8) => Some(n as u8),
+        n @ 256..=323 => SHIFTED.get((n - 256) as usize).copied(),
+        _ => None,
+    };
+    token
+        .chars()
+        .map(byte_of)
+        .collect::<Option<Vec<u8>>>()
+        .unwrap_or_else(|| token.as_bytes().to_vec())
+}
+
 /// The default ChatML template, used when a GGUF carries none.
 const CHATML_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
@@ -38,6 +62,9 @@ pub struct TextTokenizer {
     pub stop_ids: Vec<u32>,
     add_bos: bool,
     chat_template: String,
+    /// Each token's bytes, as constrained decoding matches them (special tokens: a 0xFF
+    /// marker and their name, which no grammar of text matches).
+    token_bytes: Vec<Vec<u8>>,
 }
 
 fn internal(e: impl std::fmt::Display) -> RuntimeError {
@@ -89,11 +116,25 @@ impl TextTokenizer {
             ByteLevel::new(false, true, true).into(),
         ])));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let is_special = |t: i32| t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED;
         let specials: Vec<AddedToken> = tokens
             .iter()
             .zip(&types)
-            .filter(|(_, t)| **t == TOKEN_TYPE_CONTROL || **t == TOKEN_TYPE_USER_DEFINED)
+            .filter(|(_, t)| is_special(**t))
             .map(|(tok, _)| AddedToken::from(tok.clone(), true))
+            .collect();
+        let token_bytes = tokens
+            .iter()
+            .zip(types.iter().chain(std::iter::repeat(&1)))
+            .map(|(tok, t)| {
+                if is_special(*t) {
+                    let mut b = vec![SPECIAL_TOKEN_MARKER];
+                    b.extend_from_slice(tok.as_bytes());
+                    b
+                } else {
+                    byte_level_bytes(tok)
+                }
+            })
             .collect();
         inner.add_special_tokens(specials).map_err(internal)?;
 
@@ -124,6 +165,7 @@ impl TextTokenizer {
                 .and_then(|v| v.to_bool().ok())
                 .unwrap_or(false),
             chat_template,
+            token_bytes,
         })
     }
 
@@ -138,9 +180,24 @@ impl TextTokenizer {
         Ok(ids)
     }
 
+    /// Token ids of `text` alone (no BOS), as the grammar engine tokenizes text it forces.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, RuntimeError> {
+        Ok(self
+            .inner
+            .encode(text, false)
+            .map_err(internal)?
+            .get_ids()
+            .to_vec())
+    }
+
     /// Text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[u32]) -> Result<String, RuntimeError> {
         self.inner.decode(ids, true).map_err(internal)
+    }
+
+    /// Every token's bytes by id (see the field).
+    pub fn token_bytes(&self) -> &[Vec<u8>] {
+        &self.token_bytes
     }
 
     pub fn is_stop(&self, id: u32) -> bool {
