@@ -35,7 +35,7 @@ event by code: outside a fault window (its start to its end plus 15 s, three hea
 timeouts) it is `unexplained_5xx`. A request is in doubt when its replica was killed while
 it was in flight (or its connection broke). Also counted, and required to be 0: `bad_2xx`
 (a 2xx whose body is not a well-formed answer), `unclean_errors` (a 5xx without an error
-code, a connection that broke or a stream that stopped without [DONE] or an error event on
+code, a 500 (faults are 502/503), a connection that broke or a stream that stopped without [DONE] or an error event on
 a replica that was not killed), `servable_refused` (a 4xx other than 429 for a request
 that fits) and `own_canary_missing` (a 2xx for a tenant's canary prompt without its code:
 each code is vetted first, one the model copies when asked alone, greedy, so a 2xx without
@@ -1056,6 +1056,10 @@ class Soak:
             return
         if code is None:
             st.finding("unclean_errors", f"{desc} {status} without an error code: {res.body[:300]}")
+        elif status == 500 and not job["host"]:
+            # A fault is a dependency failing: 502/503 with its code. A 500 is the platform's
+            # own bug (a worker's 500 is the worker's answer).
+            st.finding("unclean_errors", f"{desc} 500: {res.body[:300]}")
         error_seen(f"{status}/{code}")
 
     @staticmethod
