@@ -2,7 +2,8 @@
 //!
 //! `cargo bench -p bulkhead-runtime --bench generation` prints one JSON line with prompt
 //! processing (512-token prompt), single-stream decode, and aggregate decode at 1, 4 and 16
-//! concurrent streams. Threads: set `RAYON_NUM_THREADS` and `CANDLE_NUM_THREADS` (the
+//! concurrent streams, and 16 streams again with every token constrained by a JSON schema
+//! (structured outputs; the schema forces a long string so no stream ends early). Threads: set `RAYON_NUM_THREADS` and `CANDLE_NUM_THREADS` (the
 //! script `e2e/bench/generation.sh` runs this side by side with llama.cpp at 1 and 2 threads).
 //! `BENCH_WEIGHTS=native|q8_0` picks the weight format; `BULKHEAD_CPU_AMX=off` keeps the
 //! matmuls off AMX tiles where the CPU has them (the JSON's `matmul` says which ran).
@@ -10,6 +11,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use bulkhead_runtime::constraint::Constraint;
 use bulkhead_runtime::engine::{
     Engine, EngineConfig, GenEvent, GenerateRequest, PromptInput, TextModel,
 };
@@ -28,8 +30,15 @@ struct Run {
     token_times: Vec<Instant>,
 }
 
-/// Submit `n` greedy requests at once, wait for all; per-stream token arrival times.
-fn run_streams(engine: &Engine, prompt: &str, n: usize, max_tokens: usize) -> (Instant, Vec<Run>) {
+/// Submit `n` greedy requests at once (each constrained by `constraint`, when given), wait
+/// for all; per-stream token arrival times.
+fn run_streams(
+    engine: &Engine,
+    prompt: &str,
+    n: usize,
+    max_tokens: usize,
+    constraint: Option<&Constraint>,
+) -> (Instant, Vec<Run>) {
     let start = Instant::now();
     let subs: Vec<_> = (0..n)
         .map(|i| {
@@ -43,6 +52,7 @@ fn run_streams(engine: &Engine, prompt: &str, n: usize, max_tokens: usize) -> (I
                     params: SamplingParams {
                         max_tokens,
                         ignore_eos: true,
+                        constraint: constraint.cloned(),
                         ..Default::default()
                     },
                 })
@@ -156,15 +166,15 @@ fn main() -> anyhow::Result<()> {
         .len();
 
     // Warm-up (page faults, caches).
-    run_streams(&engine, &short_prompt, 1, 4);
+    run_streams(&engine, &short_prompt, 1, 4, None);
 
     // Prompt processing: time to the first token of a 512-token prompt (one prefill step).
-    // `BENCH_ONLY=prefill|1|4|16` runs one phase alone (to profile it); the others print 0.
+    // `BENCH_ONLY=prefill|1|4|16|16c` runs one phase alone (to profile it); the others print 0.
     let only = std::env::var("BENCH_ONLY").ok();
     let runs_phase = |phase: &str| only.as_deref().is_none_or(|o| o == phase);
     let mut prefill_best = 0f64;
     for _ in 0..if runs_phase("prefill") { 3 } else { 0 } {
-        let (start, runs) = run_streams(&engine, &long_prompt, 1, 1);
+        let (start, runs) = run_streams(&engine, &long_prompt, 1, 1, None);
         let t = (runs[0].first_token_at.unwrap() - start).as_secs_f64();
         prefill_best = prefill_best.max(real_prompt_tokens as f64 / t);
     }
@@ -172,10 +182,24 @@ fn main() -> anyhow::Result<()> {
     for n in [1usize, 4, 16] {
         let mut best = 0f64;
         for _ in 0..if runs_phase(&n.to_string()) { 2 } else { 0 } {
-            let (_, runs) = run_streams(&engine, &short_prompt, n, DECODE_TOKENS);
+            let (_, runs) = run_streams(&engine, &short_prompt, n, DECODE_TOKENS, None);
             best = best.max(aggregate_decode(&runs));
         }
         streams.push((n, best));
+    }
+    // Structured output: an object whose one string must be longer than DECODE_TOKENS
+    // tokens, so every stream decodes all of them under the mask.
+    let schema = Constraint::JsonSchema {
+        schema: serde_json::json!({
+            "type": "object",
+            "properties": {"text": {"type": "string", "minLength": 8 * DECODE_TOKENS}},
+            "required": ["text"],
+        }),
+    };
+    let mut constrained_best = 0f64;
+    for _ in 0..if runs_phase("16c") { 2 } else { 0 } {
+        let (_, runs) = run_streams(&engine, &short_prompt, 16, DECODE_TOKENS, Some(&schema));
+        constrained_best = constrained_best.max(aggregate_decode(&runs));
     }
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into());
     println!(
@@ -190,6 +214,7 @@ fn main() -> anyhow::Result<()> {
             "decode_1_tok_s": streams[0].1,
             "decode_4_tok_s": streams[1].1,
             "decode_16_tok_s": streams[2].1,
+            "decode_16_json_schema_tok_s": constrained_best,
         })
     );
     Ok(())
