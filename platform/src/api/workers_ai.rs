@@ -4,7 +4,7 @@
 //! exactly the rules of a REST call.
 
 use axum::http::HeaderMap;
-use bulkhead_runtime::engine::{PromptInput, Usage};
+use bulkhead_runtime::engine::{FinishReason, PromptInput, Usage};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -145,7 +145,9 @@ pub struct EmbeddingsInput {
 /// The text-generation result.
 #[derive(utoipa::ToSchema, serde::Serialize)]
 pub struct TextGenerationResult {
-    pub response: String,
+    /// The answer; with `response_format` (JSON mode), the JSON value itself.
+    #[schema(value_type = Value)]
+    pub response: Value,
     /// Always empty: function calling is not supported yet.
     #[schema(value_type = Vec<Object>, max_items = 0)]
     pub tool_calls: Vec<()>,
@@ -260,13 +262,22 @@ pub async fn execute(
 ) -> Result<(RunOutput, HeaderMap), ApiError> {
     match prepared {
         Prepared::Text { model, req, stream } => {
+            let json_mode = req.params().constraint.is_some();
             let mut generation = inference.generate(tenant, &model, req).await?;
             let headers = std::mem::take(&mut generation.limit_headers);
             if stream {
                 return Ok((RunOutput::Stream(generation), headers));
             }
             let done = generation.collect().await?;
-            let result = json!({ "response": done.text, "tool_calls": [], "usage": done.usage });
+            // Workers AI's JSON mode answers with the object itself. An answer `max_tokens`
+            // cut short is not one: it stays text, with its `length`-shaped usage.
+            let response = match (json_mode, done.finish_reason) {
+                (true, FinishReason::Stop) => {
+                    serde_json::from_str::<Value>(&done.text).unwrap_or(Value::String(done.text))
+                }
+                _ => Value::String(done.text),
+            };
+            let result = json!({ "response": response, "tool_calls": [], "usage": done.usage });
             Ok((RunOutput::Json(result), headers))
         }
         Prepared::Embed { model, req } => {
