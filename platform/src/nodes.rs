@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use bulkhead_runtime::engine::{FinishReason, GenEvent, Usage};
-use bulkhead_runtime::error::RuntimeError;
+use bulkhead_runtime::error::{RuntimeError, TransferError};
 use bulkhead_runtime::node::{Node, Role};
 use bulkhead_runtime::node_auth::ApiToken;
 use bulkhead_runtime::server::{EmbedResponse, GenerateBody, NodeState};
@@ -396,7 +396,7 @@ pub async fn generate(
                         finished = true;
                     }
                     Frame::Error(m) => {
-                        let _ = tx.send(GenEvent::Error(RuntimeError::Internal(m)));
+                        let _ = tx.send(GenEvent::Error(stream_error(&m)));
                         finished = true;
                     }
                     Frame::End | Frame::Other => {}
@@ -410,6 +410,29 @@ pub async fn generate(
         }
     });
     Ok(rx)
+}
+
+/// A node's mid-stream error event (`{"error": {"code", "message"}}`) as the error it was
+/// on the node, so a failed KV transfer stays a 502 and never becomes a 500.
+fn stream_error(data: &str) -> RuntimeError {
+    let Ok(NodeErrorBody { error }) = serde_json::from_str::<NodeErrorBody>(data) else {
+        return RuntimeError::Internal(format!("the node's stream failed: {data}"));
+    };
+    let msg = error.message;
+    match error.code.as_str() {
+        "kv_transfer_failed" => {
+            let detail = msg.strip_prefix("KV transfer failed: ").unwrap_or(&msg);
+            RuntimeError::Transfer(TransferError::Reported(detail.to_string()))
+        }
+        "node_lost" => RuntimeError::NodeLost(msg),
+        "isolation_violation" => RuntimeError::Isolation(msg),
+        "cancelled" => RuntimeError::Cancelled,
+        "overloaded" => RuntimeError::Overloaded {
+            reason: msg,
+            retry_after_s: 1,
+        },
+        _ => RuntimeError::Internal(msg),
+    }
 }
 
 fn find_frame_end(buf: &[u8]) -> Option<usize> {
@@ -542,5 +565,34 @@ pub async fn run_heartbeats(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A decode node's failed transfer, relayed mid-stream by the prefill node, reached
+    /// tenants as a 500 "Unknown internal error" (found by the soak with the KV link
+    /// corrupted): it keeps its meaning, a 502.
+    #[test]
+    fn a_nodes_stream_error_keeps_its_meaning() {
+        let frame = |code: &str, message: &str| {
+            serde_json::json!({"error": {"code": code, "message": message}}).to_string()
+        };
+        let e = stream_error(&frame(
+            "kv_transfer_failed",
+            "KV transfer failed: a event frame failed its authentication (MAC)",
+        ));
+        let api = ApiError::from(e);
+        assert_eq!(api.status, StatusCode::BAD_GATEWAY, "{api:?}");
+        assert_eq!(
+            api.message,
+            "KV transfer failed: a event frame failed its authentication (MAC)"
+        );
+        let lost = ApiError::from(stream_error(&frame("node_lost", "gone")));
+        assert_eq!(lost.status, StatusCode::BAD_GATEWAY, "{lost:?}");
+        let other = ApiError::from(stream_error("not json"));
+        assert_eq!(other.status, StatusCode::INTERNAL_SERVER_ERROR, "{other:?}");
     }
 }

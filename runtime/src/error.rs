@@ -48,6 +48,9 @@ pub enum TransferError {
     Unauthenticated { frame: String },
     #[error("this node has no transfer key (transfer.key_file, --transfer-key-file)")]
     NoKey,
+    /// A transfer failure another node reported (its own words).
+    #[error("{0}")]
+    Reported(String),
     #[error("received {received} tokens of KV, {declared} declared")]
     TokenCount { declared: usize, received: usize },
     #[error("received {received} pages, {declared} declared")]
@@ -79,6 +82,7 @@ impl TransferError {
             TransferError::PromptLength { .. } => "prompt_length",
             TransferError::Layout(_) => "layout",
             TransferError::Protocol(_) => "protocol",
+            TransferError::Reported(_) => "reported",
         }
     }
 
