@@ -52,6 +52,15 @@ def test_text_generation_through_env_ai_run(worker):
     assert out["usage"]["completion_tokens"] > 0
 
 
+def test_structured_output_through_env_ai_run(worker):
+    status, body, _ = _to_worker(worker, "/json")
+    assert status == 200, body
+    out = json.loads(body)["response"]
+    assert isinstance(out, dict), body
+    assert set(out) == {"city", "country"} and out["country"] in ("France", "Italy", "Spain"), out
+    assert len(out["city"]) <= 24, out
+
+
 def test_embeddings_through_env_ai_run(worker):
     status, body, _ = _to_worker(worker, "/embed")
     assert status == 200, body

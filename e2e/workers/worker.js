@@ -17,6 +17,28 @@ export default {
             max_tokens: 32,
           }),
         );
+      case "/json":
+        // Structured output (Workers AI's JSON mode): `response` is the object itself.
+        return Response.json(
+          await env.AI.run(TEXT, {
+            messages: [{ role: "user", content: "Describe a big city in Europe." }],
+            temperature: 1.0,
+            seed: 7,
+            max_tokens: 120,
+            response_format: {
+              type: "json_schema",
+              json_schema: {
+                type: "object",
+                properties: {
+                  city: { type: "string", maxLength: 24 },
+                  country: { enum: ["France", "Italy", "Spain"] },
+                },
+                required: ["city", "country"],
+                additionalProperties: false,
+              },
+            },
+          }),
+        );
       case "/embed":
         return Response.json(await env.AI.run(EMBED, { text: ["hello", "world"] }));
       case "/embed-one":
