@@ -20,7 +20,12 @@ impl RedisBus {
     /// Connect; every key and channel is under `prefix:` so deployments can share a server.
     pub async fn connect(url: &str, prefix: &str) -> redis::RedisResult<RedisBus> {
         let client = redis::Client::open(url)?;
-        let conn = client.get_connection_manager().await?;
+        // Reconnect attempts back off at most to this: with the default (doubling from
+        // 100 ms, no cap) a replica kept refusing rate-limited requests (503/3044) for up to
+        // 4 s after Redis was back (seen in the soak).
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_max_delay(std::time::Duration::from_millis(400));
+        let conn = client.get_connection_manager_with_config(config).await?;
         Ok(RedisBus {
             client,
             conn,
