@@ -416,6 +416,16 @@ fn write_line(dir: &Path, st: &mut State, seq: u64, line: &[u8]) -> Result<(), J
     }
 }
 
+/// Something written waits for the sync: a request (`Fdatasync`), or the background
+/// interval is up (`Write`).
+fn sync_due(sync: SyncMode, st: &State) -> bool {
+    match (sync, st.dirty_since) {
+        (_, None) => false,
+        (SyncMode::Fdatasync, Some(_)) => !st.waiters.is_empty(),
+        (SyncMode::Write, Some(t)) => t.elapsed() >= BACKGROUND_SYNC,
+    }
+}
+
 /// The sync thread: put what was written on the disk with one `fdatasync` per group
 /// (segments closed since the last one, the open one, the directory when a segment was
 /// created) and answer the group's waiters; in [`SyncMode::Write`] every
@@ -424,15 +434,7 @@ fn sync_loop(shared: &Shared, dir: &Path, sync: SyncMode) {
     loop {
         let (waiters, files, dir_dirty, applied, closing) = {
             let mut st = shared.state.lock();
-            loop {
-                let due = match (sync, st.dirty_since) {
-                    (_, None) => false,
-                    (SyncMode::Fdatasync, Some(_)) => !st.waiters.is_empty(),
-                    (SyncMode::Write, Some(t)) => t.elapsed() >= BACKGROUND_SYNC,
-                };
-                if due || st.applied.is_some() || st.closing {
-                    break;
-                }
+            while !sync_due(sync, &st) && st.applied.is_none() && !st.closing {
                 match (sync, st.dirty_since) {
                     (SyncMode::Write, Some(t)) => {
                         shared.wake.wait_until(&mut st, t + BACKGROUND_SYNC);
@@ -440,16 +442,9 @@ fn sync_loop(shared: &Shared, dir: &Path, sync: SyncMode) {
                     _ => shared.wake.wait(&mut st),
                 }
             }
-            let due = st.closing
-                || match sync {
-                    SyncMode::Fdatasync => !st.waiters.is_empty(),
-                    SyncMode::Write => st
-                        .dirty_since
-                        .is_some_and(|t| t.elapsed() >= BACKGROUND_SYNC),
-                };
             let mut files = Vec::new();
             let mut dir_dirty = false;
-            if due && st.dirty_since.is_some() {
+            if (sync_due(sync, &st) || st.closing) && st.dirty_since.is_some() {
                 st.dirty_since = None;
                 files = std::mem::take(&mut st.closed);
                 files.extend(st.open.as_ref().map(|o| o.file.clone()));

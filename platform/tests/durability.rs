@@ -122,6 +122,31 @@ async fn admin(
     resp.json().await.unwrap()
 }
 
+/// A tenant and a token for it, through the admin API: (account id, token).
+async fn new_tenant(http: &reqwest::Client, url: &str, name: &str) -> (String, String) {
+    let tenant = admin(
+        http,
+        url,
+        reqwest::Method::POST,
+        "/admin/v1/tenants",
+        Some(json!({"name": name})),
+    )
+    .await;
+    let account = tenant["result"]["id"].as_str().unwrap().to_string();
+    let token = admin(
+        http,
+        url,
+        reqwest::Method::POST,
+        &format!("/admin/v1/tenants/{account}/tokens"),
+        Some(json!({"name": "t"})),
+    )
+    .await["result"]["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    (account, token)
+}
+
 /// Requests counted for `account` on `model`, all days.
 async fn counted(http: &reqwest::Client, url: &str, account: &str, model: &str) -> i64 {
     let v = admin(http, url, reqwest::Method::GET, "/admin/v1/usage", None).await;
@@ -147,26 +172,7 @@ async fn usage_survives_kill_9(sync: &str) {
     let http = reqwest::Client::new();
     let (mut child, url) = spawn_serve(&data, sync);
     wait_healthy(&http, &url).await;
-    let tenant = admin(
-        &http,
-        &url,
-        reqwest::Method::POST,
-        "/admin/v1/tenants",
-        Some(json!({"name": "kill9"})),
-    )
-    .await;
-    let account = tenant["result"]["id"].as_str().unwrap().to_string();
-    let token = admin(
-        &http,
-        &url,
-        reqwest::Method::POST,
-        &format!("/admin/v1/tenants/{account}/tokens"),
-        Some(json!({"name": "t"})),
-    )
-    .await["result"]["token"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let (account, token) = new_tenant(&http, &url, "kill9").await;
 
     // 200 embeddings from 8 clients at once; count what was answered 200.
     let run = format!("{url}/client/v4/accounts/{account}/ai/run/{EMBED}");
@@ -260,26 +266,7 @@ async fn a_replica_killed_leaves_the_other_serving_and_loses_no_usage() {
     wait_healthy(&http, &url_a).await;
     wait_healthy(&http, &url_b).await;
 
-    let tenant = admin(
-        &http,
-        &url_a,
-        reqwest::Method::POST,
-        "/admin/v1/tenants",
-        Some(json!({"name": "replica-kill"})),
-    )
-    .await;
-    let account = tenant["result"]["id"].as_str().unwrap().to_string();
-    let token = admin(
-        &http,
-        &url_a,
-        reqwest::Method::POST,
-        &format!("/admin/v1/tenants/{account}/tokens"),
-        Some(json!({"name": "t"})),
-    )
-    .await["result"]["token"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let (account, token) = new_tenant(&http, &url_a, "replica-kill").await;
     let node_token = admin(
         &http,
         &url_a,

@@ -148,11 +148,11 @@ impl ConstrainedSequence {
                 "grammar: no token can continue the answer".into(),
             ));
         }
-        for (id, l) in logits.iter_mut().enumerate() {
-            if !allowed.is_allowed(id as u32) {
+        allowed.iter_unset_entries(|id| {
+            if let Some(l) = logits.get_mut(id) {
                 *l = f32::NEG_INFINITY;
             }
-        }
+        });
         Ok(())
     }
 

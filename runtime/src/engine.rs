@@ -894,6 +894,15 @@ impl Worker {
         let _ = r.events.send(event);
     }
 
+    /// The sequence ends for `reason`: send the text it still held back first.
+    fn end_text(r: &mut Running, reason: FinishReason) -> FinishReason {
+        let rest = r.text.flush();
+        if !rest.is_empty() {
+            let _ = r.events.send(GenEvent::Token { text: rest });
+        }
+        reason
+    }
+
     /// Sample the next token and emit its text. `Some(reason)` when the sequence is done.
     fn on_logits(
         model: &TextModel,
@@ -920,11 +929,7 @@ impl Worker {
         }
         r.last_token_at = Some(now);
         if model.tokenizer.is_stop(id) && !r.params.ignore_eos {
-            let rest = r.text.flush();
-            if !rest.is_empty() {
-                let _ = r.events.send(GenEvent::Token { text: rest });
-            }
-            return Ok(Some(FinishReason::Stop));
+            return Ok(Some(Self::end_text(r, FinishReason::Stop)));
         }
         // The grammar moves on; a complete answer it allows nothing after ends here (below,
         // once its text is out), as end of sequence would.
@@ -952,18 +957,10 @@ impl Worker {
             }
         }
         if grammar_done {
-            let rest = r.text.flush();
-            if !rest.is_empty() {
-                let _ = r.events.send(GenEvent::Token { text: rest });
-            }
-            return Ok(Some(FinishReason::Stop));
+            return Ok(Some(Self::end_text(r, FinishReason::Stop)));
         }
         if r.generated.len() >= r.params.max_tokens {
-            let rest = r.text.flush();
-            if !rest.is_empty() {
-                let _ = r.events.send(GenEvent::Token { text: rest });
-            }
-            return Ok(Some(FinishReason::Length));
+            return Ok(Some(Self::end_text(r, FinishReason::Length)));
         }
         Ok(None)
     }

@@ -508,6 +508,14 @@ mod tests {
                 ),
                 "response_format.schema",
             ),
+            (
+                with(
+                    "response_format",
+                    json!({"type": "json_schema",
+                           "json_schema": {"name": "a", "schema": {}, "description": "d"}}),
+                ),
+                "response_format.json_schema.description",
+            ),
             (with("logprobs", json!(true)), "logprobs"),
             (with("top_logprobs", json!(2)), "top_logprobs"),
             (with("logit_bias", json!({"1": 2})), "logit_bias"),

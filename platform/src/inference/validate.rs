@@ -277,8 +277,8 @@ pub fn validate_text(model: &ModelRecord, input: TextInput) -> Result<ValidTextR
 
 /// `response_format` as a constraint on the answer. `{"type": "text"}` asks for nothing;
 /// `{"type": "json_object"}` for any JSON object; `{"type": "json_schema", "json_schema": ..}`
-/// for JSON valid against a schema, which OpenAI wraps as `{"name", "schema", "strict",
-/// "description"}` and Workers AI gives as the schema itself. Whether the engine can use
+/// for JSON valid against a schema, which OpenAI wraps (see [`openai_json_schema`]) and
+/// Workers AI gives as the schema itself. Whether the engine can use
 /// the schema is the node's check (it compiles it); the shape is checked here.
 fn response_format(
     surface: Surface,
@@ -306,39 +306,7 @@ fn response_format(
             };
             match surface {
                 Surface::WorkersAi => js.clone(),
-                Surface::OpenAi => {
-                    let field = format!("{FIELD}.json_schema");
-                    let Some(w) = js.as_object() else {
-                        return Err(fail(&field, "must be an object with a name and a schema"));
-                    };
-                    if let Some(k) = w.keys().find(|k| {
-                        !["name", "schema", "strict", "description"].contains(&k.as_str())
-                    }) {
-                        return Err(fail(&format!("{field}.{k}"), "unknown field"));
-                    }
-                    let name_ok = w.get("name").and_then(|n| n.as_str()).is_some_and(|n| {
-                        (1..=64).contains(&n.len())
-                            && n.chars()
-                                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-                    });
-                    if !name_ok {
-                        return Err(fail(
-                            &format!("{field}.name"),
-                            "is required: 1 to 64 of a-z, A-Z, 0-9, _ and -",
-                        ));
-                    }
-                    if w.get("strict").is_some_and(|v| !v.is_boolean()) {
-                        return Err(fail(&format!("{field}.strict"), "must be a boolean"));
-                    }
-                    if w.get("description").is_some_and(|v| !v.is_string()) {
-                        return Err(fail(&format!("{field}.description"), "must be a string"));
-                    }
-                    // Every answer is held to the schema, strict or not.
-                    match w.get("schema") {
-                        Some(schema) => schema.clone(),
-                        None => return Err(fail(&format!("{field}.schema"), "is required")),
-                    }
-                }
+                Surface::OpenAi => openai_json_schema(js)?,
             }
         }
         Some(other) => {
@@ -364,6 +332,46 @@ fn response_format(
         ));
     }
     Ok(Some(Constraint::JsonSchema { schema }))
+}
+
+/// The schema in OpenAI's `json_schema` wrapper: `{"name", "schema", "strict"}`. Every
+/// answer is held to the schema, strict or not. `description` (which OpenAI shows the model)
+/// is refused rather than dropped: nothing here would show it.
+fn openai_json_schema(wrapper: &serde_json::Value) -> Result<serde_json::Value, ApiError> {
+    const FIELD: &str = "response_format.json_schema";
+    let fail = |field: &str, m: &str| Err(ApiError::bad_field(field, m));
+    let Some(w) = wrapper.as_object() else {
+        return fail(FIELD, "must be an object with a name and a schema");
+    };
+    if let Some(k) = w
+        .keys()
+        .find(|k| !["name", "schema", "strict"].contains(&k.as_str()))
+    {
+        let why = if k == "description" {
+            "is not supported (the schema alone shapes the answer)"
+        } else {
+            "unknown field"
+        };
+        return fail(&format!("{FIELD}.{k}"), why);
+    }
+    let name_ok = w.get("name").and_then(|n| n.as_str()).is_some_and(|n| {
+        (1..=64).contains(&n.len())
+            && n.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    });
+    if !name_ok {
+        return fail(
+            &format!("{FIELD}.name"),
+            "is required: 1 to 64 of a-z, A-Z, 0-9, _ and -",
+        );
+    }
+    if w.get("strict").is_some_and(|v| !v.is_boolean()) {
+        return fail(&format!("{FIELD}.strict"), "must be a boolean");
+    }
+    match w.get("schema") {
+        Some(schema) => Ok(schema.clone()),
+        None => fail(&format!("{FIELD}.schema"), "is required"),
+    }
 }
 
 fn check_prompt(prompt: &PromptInput) -> Result<(), ApiError> {

@@ -171,13 +171,11 @@ impl TextTokenizer {
 
     /// Token ids of `text`; special tokens written in the text are recognised.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, RuntimeError> {
-        let enc = self.inner.encode(text, false).map_err(internal)?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
-        if self.add_bos {
-            ids.extend(self.bos);
+        let text_ids = self.encode_text(text)?;
+        match self.bos.filter(|_| self.add_bos) {
+            None => Ok(text_ids),
+            Some(bos) => Ok(std::iter::once(bos).chain(text_ids).collect()),
         }
-        ids.extend_from_slice(enc.get_ids());
-        Ok(ids)
     }
 
     /// Token ids of `text` alone (no BOS), as the grammar engine tokenizes text it forces.
