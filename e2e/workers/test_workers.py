@@ -61,6 +61,21 @@ def test_structured_output_through_env_ai_run(worker):
     assert len(out["city"]) <= 24, out
 
 
+def test_a_tool_loop_through_env_ai_run(worker):
+    # The worker asks with tools, runs the call it gets and sends the result back.
+    status, body, _ = _to_worker(worker, "/tools")
+    assert status == 200, body
+    out = json.loads(body)
+    call = out["call"]
+    assert call["name"] == call["function"]["name"] == "get_weather", call
+    assert call["id"].startswith("call_") and call["type"] == "function", call
+    # Both shapes of the arguments: the object, and the JSON text that parses to it.
+    assert set(call["arguments"]) == {"city"} and len(call["arguments"]["city"]) <= 24, call
+    assert json.loads(call["function"]["arguments"]) == call["arguments"]
+    assert isinstance(out["answer"], str) and out["answer"], out
+    assert out["usage"]["prompt_tokens"] > 0
+
+
 def test_embeddings_through_env_ai_run(worker):
     status, body, _ = _to_worker(worker, "/embed")
     assert status == 200, body

@@ -39,6 +39,53 @@ export default {
             },
           }),
         );
+      case "/tools": {
+        // Function calling through env.AI.run: the model calls get_weather, the worker
+        // runs it, and the model answers from its result.
+        const tools = [
+          {
+            type: "function",
+            function: {
+              name: "get_weather",
+              description: "The current weather in a city",
+              parameters: {
+                type: "object",
+                properties: { city: { type: "string", maxLength: 24 } },
+                required: ["city"],
+                additionalProperties: false,
+              },
+            },
+          },
+        ];
+        const messages = [{ role: "user", content: "What is the weather in Paris?" }];
+        const first = await env.AI.run(TEXT, {
+          messages,
+          tools,
+          tool_choice: "required",
+          temperature: 0,
+          max_tokens: 60,
+        });
+        const call = first.tool_calls[0];
+        messages.push({
+          role: "assistant",
+          content: "",
+          tool_calls: [{ id: call.id, type: "function", function: call.function }],
+        });
+        messages.push({
+          role: "tool",
+          tool_call_id: call.id,
+          name: call.name,
+          content: JSON.stringify({ city: call.arguments.city, temperature_c: 18 }),
+        });
+        const second = await env.AI.run(TEXT, {
+          messages,
+          tools,
+          tool_choice: "none",
+          temperature: 0,
+          max_tokens: 40,
+        });
+        return Response.json({ call, answer: second.response, usage: second.usage });
+      }
       case "/embed":
         return Response.json(await env.AI.run(EMBED, { text: ["hello", "world"] }));
       case "/embed-one":

@@ -202,7 +202,8 @@ async fn the_openai_route_applies_the_catalogs_output_limit() {
 
 /// `response_format`, `tools` and `dimensions` were accepted and ignored (a 200 with plain
 /// text, no tool call, 384 dimensions): a 200 the request did not earn. (`response_format`
-/// is implemented now: what is refused is a malformed one, by the field at fault.)
+/// and `tools` are implemented now: what is refused is a malformed one, by the field at
+/// fault.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fields_that_are_not_implemented_are_refused_by_name() {
     let c = Client::start("refused").await;
@@ -219,10 +220,11 @@ async fn fields_that_are_not_implemented_are_refused_by_name() {
             "response_format.strict",
         ),
         (
-            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
-            "tools",
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                   "functions": [{"name": "f"}]}),
+            "functions",
         ),
-        (json!({"tool_choice": "required"}), "tools"),
+        (json!({"tool_choice": "required"}), "tool_choice"),
         (json!({"logprobs": true}), "logprobs"),
         (json!({"n": 2}), "n"),
         (json!({"unknown_option": 1}), "unknown_option"),
@@ -251,6 +253,10 @@ async fn fields_that_are_not_implemented_are_refused_by_name() {
             "response_format.json_schema",
         ),
         (json!({"prompt": "hi", "tools": []}), "tools"),
+        (
+            json!({"prompt": "hi", "functions": [{"name": "f", "code": "x"}]}),
+            "functions",
+        ),
         (json!({"prompt": "hi", "lora": "x"}), "lora"),
         (json!({"prompt": "hi", "guidance": 3}), "guidance"),
     ] {
@@ -1047,6 +1053,160 @@ async fn structured_outputs_on_both_surfaces() {
             .as_str()
             .unwrap()
             .contains("response_format"),
+        "{b}"
+    );
+    c.still_serves().await;
+}
+
+/// The data of each `data:` line of an SSE body.
+fn sse_data(body: &Value) -> Vec<String> {
+    body.as_str()
+        .unwrap_or_else(|| panic!("not an SSE body: {body}"))
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn function_calling_on_both_surfaces() {
+    let c = Client::start("tools").await;
+    let params = json!({"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24},
+                       "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": false});
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "The weather in a city", "parameters": params}}]);
+    let check = |name: &Value, arguments: &str| {
+        assert_eq!(name, "get_weather");
+        let v: Value =
+            serde_json::from_str(arguments).unwrap_or_else(|e| panic!("{e}: {arguments}"));
+        assert!(
+            v["city"].as_str().unwrap().chars().count() <= 24,
+            "{arguments}"
+        );
+        assert!(
+            ["celsius", "fahrenheit"].contains(&v["unit"].as_str().unwrap()),
+            "{arguments}"
+        );
+        assert_eq!(v.as_object().unwrap().len(), 2, "{arguments}");
+    };
+    let ask = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let chat = |extra: Value| {
+        let mut b = json!({"model": TEXT, "max_tokens": 300, "temperature": 1.0, "seed": 5,
+                           "messages": ask, "tools": tools, "tool_choice": "required"});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+
+    // OpenAI: the call, no content, finish_reason tool_calls.
+    let (s, _, b) = c
+        .post(CHAT, chat(json!({"parallel_tool_calls": false})))
+        .await;
+    assert_eq!(s, 200, "{b}");
+    let choice = &b["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{b}");
+    assert!(choice["message"]["content"].is_null(), "{b}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{b}");
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"), "{b}");
+    check(
+        &calls[0]["function"]["name"],
+        calls[0]["function"]["arguments"].as_str().unwrap(),
+    );
+
+    // The call and its result sent back: a text answer.
+    let history = json!([ask[0], choice["message"],
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "{\"temperature\": 18}"}]);
+    let (s, _, b) = c
+        .post(
+            CHAT,
+            chat(json!({"messages": history, "tool_choice": "none", "max_tokens": 16})),
+        )
+        .await;
+    assert_eq!(s, 200, "{b}");
+    assert!(
+        b["choices"][0]["message"]["content"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty()),
+        "{b}"
+    );
+    assert!(
+        b["choices"][0]["message"].get("tool_calls").is_none(),
+        "{b}"
+    );
+
+    // Streamed: the first delta of a call has its id and name, then the arguments in pieces.
+    let (s, _, b) = c
+        .post(
+            CHAT,
+            chat(json!({"stream": true, "parallel_tool_calls": false})),
+        )
+        .await;
+    assert_eq!(s, 200, "{b}");
+    let frames = sse_data(&b);
+    assert_eq!(frames.last().map(String::as_str), Some("[DONE]"));
+    let (mut name, mut arguments, mut pieces, mut finish) =
+        (Value::Null, String::new(), 0, Value::Null);
+    for f in &frames[..frames.len() - 1] {
+        let v: Value = serde_json::from_str(f).unwrap();
+        let choice = &v["choices"][0];
+        if let Some(call) = choice["delta"]["tool_calls"].get(0) {
+            assert_eq!(call["index"], 0, "{f}");
+            if let Some(id) = call.get("id") {
+                assert!(
+                    id.as_str().unwrap().starts_with("call_") && name.is_null(),
+                    "{f}"
+                );
+                name = call["function"]["name"].clone();
+            }
+            arguments.push_str(call["function"]["arguments"].as_str().unwrap());
+            pieces += 1;
+        }
+        if !choice["finish_reason"].is_null() {
+            finish = choice["finish_reason"].clone();
+        }
+    }
+    assert_eq!(finish, "tool_calls");
+    assert!(pieces > 2, "{frames:?}");
+    check(&name, &arguments);
+
+    // Workers AI: tool_calls in both shapes, and streamed one frame per whole call.
+    let run = json!({"messages": ask, "tools": tools, "tool_choice": "required",
+                     "max_tokens": 300, "temperature": 1.0, "seed": 6});
+    let (s, _, b) = c.post(&run_path(TEXT), run.clone()).await;
+    assert_eq!(s, 200, "{b}");
+    let call = &b["result"]["tool_calls"][0];
+    check(&call["name"], &call["arguments"].to_string());
+    let text: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(call["arguments"], text, "{b}");
+    let mut streamed = run.clone();
+    streamed["stream"] = json!(true);
+    let (s, _, b) = c.post(&run_path(TEXT), streamed).await;
+    assert_eq!(s, 200, "{b}");
+    let frames = sse_data(&b);
+    let calls: Vec<Value> = frames
+        .iter()
+        .filter_map(|f| serde_json::from_str::<Value>(f).ok())
+        .filter_map(|v| v.get("tool_calls").cloned())
+        .collect();
+    assert!(!calls.is_empty(), "{frames:?}");
+    check(
+        &calls[0][0]["function"]["name"],
+        calls[0][0]["function"]["arguments"].as_str().unwrap(),
+    );
+
+    // A tool schema the engine cannot use: the client's 400, naming tools.
+    let mut bad = tools.clone();
+    bad[0]["function"]["parameters"] =
+        json!({"type": "object", "properties": {"a": {"$ref": "#/nope"}}});
+    let (s, _, b) = c.post(CHAT, chat(json!({"tools": bad}))).await;
+    assert_eq!(s, 400, "{b}");
+    assert!(
+        b["error"]["message"].as_str().unwrap().contains("tools"),
         "{b}"
     );
     c.still_serves().await;

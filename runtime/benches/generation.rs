@@ -159,10 +159,13 @@ fn main() -> anyhow::Result<()> {
     };
     let engine = Engine::start(model, pool, cfg, Arc::new(NodeMetrics::new()));
     let real_prompt_tokens = engine
-        .tokenize_prompt(&PromptInput::Text {
-            prompt: long_prompt.clone(),
-            raw: true,
-        })?
+        .tokenize_prompt(
+            &PromptInput::Text {
+                prompt: long_prompt.clone(),
+                raw: true,
+            },
+            None,
+        )?
         .len();
 
     // Warm-up (page faults, caches).

@@ -1,10 +1,11 @@
 //! Greedy generation from the command line, for quick checks of a model file:
 //! `cargo run -p bulkhead-runtime --example generate -- [native|q8_0] "prompt"`.
 
+use bulkhead_runtime::chat::ChatMessage;
 use bulkhead_runtime::kv::{KvPool, Owner};
 use bulkhead_runtime::models::fetch::{SMOLLM2, default_cache_dir, fetch_all};
 use bulkhead_runtime::models::llama::{LlamaModel, StepSegment, WeightFormat, argmax};
-use bulkhead_runtime::models::tokenizer::{ChatMessage, TextTokenizer};
+use bulkhead_runtime::models::tokenizer::TextTokenizer;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
@@ -23,10 +24,7 @@ fn main() -> anyhow::Result<()> {
     let tok = TextTokenizer::from_gguf(&ct)?;
     let text = match std::env::var("RAW") {
         Ok(_) => question.replace("\\n", "\n"),
-        Err(_) => tok.apply_chat_template(&[ChatMessage {
-            role: "user".into(),
-            content: question,
-        }])?,
+        Err(_) => tok.apply_chat_template(&[ChatMessage::new("user", question)], &[])?,
     };
     let prompt = tok.encode(&text)?;
     eprintln!("prompt {:?}\nids {:?}", text, prompt);

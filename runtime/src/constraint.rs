@@ -1,6 +1,6 @@
 //! Constrained decoding: structured outputs by a token mask.
 //!
-//! A [`Constraint`] (any JSON object, or JSON matching a schema) travels with a request's
+//! A [`Constraint`] (any JSON object, JSON matching a schema, or calls to tools) travels with a request's
 //! sampling parameters, to whichever node samples its tokens. Each text model has one
 //! [`GrammarCompiler`]: llguidance's parser factory over the model's own token bytes (built
 //! once at load). At admission the constraint is compiled into a [`ConstrainedSequence`]
@@ -15,8 +15,10 @@ use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
 
+use crate::chat::Tool;
 use crate::error::RuntimeError;
 use crate::models::tokenizer::TextTokenizer;
+use crate::tools::{ToolUse, lark_grammar};
 
 /// What an answer must be.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -26,6 +28,18 @@ pub enum Constraint {
     JsonObject,
     /// JSON valid against this JSON Schema.
     JsonSchema { schema: serde_json::Value },
+    /// Calls to the request's tools (or, by its choice, text instead): see `tools`.
+    ToolCalls(ToolUse),
+}
+
+impl Constraint {
+    /// The tools the prompt shows the model.
+    pub fn tools(&self) -> &[Tool] {
+        match self {
+            Constraint::ToolCalls(t) => &t.tools,
+            Constraint::JsonObject | Constraint::JsonSchema { .. } => &[],
+        }
+    }
 }
 
 /// The largest schema accepted, serialized: far more than any tool or form needs, and
@@ -89,10 +103,13 @@ impl GrammarCompiler {
     /// Compile `c` for one sequence. Errors are the client's: a schema llguidance cannot
     /// use, or one over the limits.
     pub fn compile(&self, c: &Constraint) -> Result<ConstrainedSequence, RuntimeError> {
-        let bad = |m: String| RuntimeError::BadInput(format!("response_format: {m}"));
-        let mut schema = match c {
-            Constraint::JsonObject => serde_json::json!({"type": "object"}),
+        let (field, grammar) = match c {
+            Constraint::JsonObject => (
+                "response_format",
+                json_grammar(serde_json::json!({"type": "object"})),
+            ),
             Constraint::JsonSchema { schema } => {
+                let bad = |m: String| RuntimeError::BadInput(format!("response_format: {m}"));
                 let size = serde_json::to_vec(schema).map(|v| v.len()).unwrap_or(0);
                 if size > MAX_SCHEMA_BYTES {
                     return Err(bad(format!(
@@ -105,29 +122,51 @@ impl GrammarCompiler {
                 if schema.get("x-guidance").is_some() {
                     return Err(bad("x-guidance is not accepted in a schema".into()));
                 }
-                schema.clone()
+                ("response_format", json_grammar(schema.clone()))
+            }
+            Constraint::ToolCalls(tool_use) => {
+                let size: usize = tool_use
+                    .tools
+                    .iter()
+                    .map(|t| serde_json::to_vec(&t.parameters).map_or(0, |v| v.len()))
+                    .sum();
+                if size > MAX_SCHEMA_BYTES {
+                    return Err(RuntimeError::BadInput(format!(
+                        "tools: the parameter schemas are {size} bytes; at most {MAX_SCHEMA_BYTES}"
+                    )));
+                }
+                let lark = lark_grammar(tool_use, |schema| compact().apply_to(schema))
+                    .map_err(|m| RuntimeError::BadInput(format!("tools: {m}")))?;
+                ("tools", TopLevelGrammar::from_lark(lark))
             }
         };
-        // Compact JSON on one line, as OpenAI's structured outputs write it: a small model
-        // given free whitespace fills answers with blank lines instead of values.
-        JsonCompileOptions {
-            item_separator: ", ".into(),
-            key_separator: ": ".into(),
-            whitespace_flexible: false,
-            ..JsonCompileOptions::default()
-        }
-        .apply_to(&mut schema);
-        let grammar = TopLevelGrammar::from_json_schema(schema);
         let parser = self
             .factory
             .create_parser(grammar)
-            .map_err(|e| RuntimeError::BadInput(format!("response_format: {e}")))?;
+            .map_err(|e| RuntimeError::BadInput(format!("{field}: {e}")))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
-            return Err(RuntimeError::BadInput(format!("response_format: {e}")));
+            return Err(RuntimeError::BadInput(format!("{field}: {e}")));
         }
         Ok(ConstrainedSequence { matcher })
     }
+}
+
+/// Compact JSON on one line, as OpenAI's structured outputs write it: a small model given
+/// free whitespace fills answers with blank lines instead of values.
+fn compact() -> JsonCompileOptions {
+    JsonCompileOptions {
+        item_separator: ", ".into(),
+        key_separator: ": ".into(),
+        whitespace_flexible: false,
+        ..JsonCompileOptions::default()
+    }
+}
+
+/// The grammar of JSON valid against `schema`, written compactly.
+fn json_grammar(mut schema: serde_json::Value) -> TopLevelGrammar {
+    compact().apply_to(&mut schema);
+    TopLevelGrammar::from_json_schema(schema)
 }
 
 /// One sequence's grammar state.

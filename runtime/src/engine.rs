@@ -17,12 +17,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::admission::check_generation;
+use crate::chat::ChatMessage;
 use crate::constraint::{ConstrainedSequence, GrammarCompiler};
 use crate::error::RuntimeError;
 use crate::kv::{KvPool, Owner, PageRef, SeqKv};
 use crate::metrics::{NodeMetrics, label};
 use crate::models::llama::{LlamaModel, StepSegment};
-use crate::models::tokenizer::{ChatMessage, TextTokenizer};
+use crate::models::tokenizer::TextTokenizer;
 use crate::sampling::{Piece, Sampler, SamplingParams, TextStream};
 
 /// A text model ready to serve: weights, tokenizer, and the window it is served with.
@@ -320,20 +321,20 @@ impl Engine {
         self.cfg.queue_timeout_ms
     }
 
-    /// The prompt as the model will see it, tokenized.
-    pub fn tokenize_prompt(&self, input: &PromptInput) -> Result<Vec<u32>, RuntimeError> {
+    /// The prompt as the model will see it, tokenized: `input` in the chat template (unless
+    /// raw), with the tools of `constraint` shown to the model.
+    pub fn tokenize_prompt(
+        &self,
+        input: &PromptInput,
+        constraint: Option<&crate::constraint::Constraint>,
+    ) -> Result<Vec<u32>, RuntimeError> {
         let tok = &self.model.tokenizer;
+        let tools = constraint.map_or(&[][..], |c| c.tools());
         let with_system = |mut messages: Vec<ChatMessage>| {
             if let Some(system) = &self.model.default_system_prompt
                 && messages.first().is_none_or(|m| m.role != "system")
             {
-                messages.insert(
-                    0,
-                    ChatMessage {
-                        role: "system".into(),
-                        content: system.clone(),
-                    },
-                );
+                messages.insert(0, ChatMessage::new("system", system.clone()));
             }
             messages
         };
@@ -342,12 +343,10 @@ impl Engine {
                 return Err(crate::error::AdmissionError::EmptyPrompt.into());
             }
             PromptInput::Text { prompt, raw: true } => prompt.clone(),
-            PromptInput::Text { prompt, raw: false } => {
-                tok.apply_chat_template(&with_system(vec![ChatMessage {
-                    role: "user".into(),
-                    content: prompt.clone(),
-                }]))?
-            }
+            PromptInput::Text { prompt, raw: false } => tok.apply_chat_template(
+                &with_system(vec![ChatMessage::new("user", prompt.clone())]),
+                tools,
+            )?,
             PromptInput::Messages(messages) => {
                 if messages.is_empty() {
                     return Err(RuntimeError::BadInput("messages must not be empty".into()));
@@ -361,7 +360,7 @@ impl Engine {
                         m.role
                     )));
                 }
-                tok.apply_chat_template(&with_system(messages.clone()))?
+                tok.apply_chat_template(&with_system(messages.clone()), tools)?
             }
         };
         tok.encode(&text)
@@ -471,7 +470,7 @@ impl Engine {
     ) -> Result<Submission, RuntimeError> {
         req.params.validate()?;
         let constraint = self.compile_constraint(&req.params)?;
-        let prompt = self.tokenize_prompt(&req.input)?;
+        let prompt = self.tokenize_prompt(&req.input, req.params.constraint.as_ref())?;
         let mut params = req.params;
         params.fit_default_to_window(prompt.len(), self.model.context_window);
         check_generation(

@@ -7,6 +7,7 @@
 //! and `server` is the node's HTTP API.
 
 pub mod admission;
+pub mod chat;
 pub mod constraint;
 pub mod device;
 pub mod engine;
@@ -19,4 +20,5 @@ pub mod node;
 pub mod node_auth;
 pub mod sampling;
 pub mod server;
+pub mod tools;
 pub mod transfer;

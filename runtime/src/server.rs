@@ -19,10 +19,10 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
+use crate::chat::ChatMessage;
 use crate::engine::{FinishReason, GenEvent, GenerateRequest, PromptInput, Usage};
 use crate::error::RuntimeError;
 use crate::kv::PoolStats;
-use crate::models::tokenizer::ChatMessage;
 use crate::node::{Node, Role};
 use crate::sampling::SamplingParams;
 

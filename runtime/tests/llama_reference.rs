@@ -4,9 +4,10 @@
 
 mod common;
 
+use bulkhead_runtime::chat::ChatMessage;
 use bulkhead_runtime::kv::{KvPool, Owner};
 use bulkhead_runtime::models::llama::{LlamaModel, StepSegment, WeightFormat, argmax};
-use bulkhead_runtime::models::tokenizer::{ChatMessage, TextTokenizer};
+use bulkhead_runtime::models::tokenizer::TextTokenizer;
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
@@ -43,10 +44,13 @@ fn ref_logits(m: &mut ModelWeights, tokens: &[u32], pos: usize) -> Vec<f32> {
 
 fn prompt(tok: &TextTokenizer) -> Vec<u32> {
     let text = tok
-        .apply_chat_template(&[ChatMessage {
-            role: "user".into(),
-            content: "What is the capital of France? Answer in one sentence.".into(),
-        }])
+        .apply_chat_template(
+            &[ChatMessage::new(
+                "user",
+                "What is the capital of France? Answer in one sentence.".into(),
+            )],
+            &[],
+        )
         .unwrap();
     tok.encode(&text).unwrap()
 }

@@ -1,15 +1,19 @@
 //! Structured outputs on the real SmolLM2 135M: a JSON schema constrains every token, so
 //! the answer parses and holds to the schema even sampled at temperature 1.0 from a model
 //! this small; `max_tokens` inside the object ends as `length`; a schema llguidance cannot
-//! use is a 400 before any token.
+//! use is a 400 before any token. Tool calls the same way: each names an offered tool and
+//! its arguments hold to that tool's schema.
 
 mod common;
 
 use std::sync::Arc;
 
+use bulkhead_runtime::chat::{ChatMessage, Tool};
+use bulkhead_runtime::constraint::Constraint;
 use bulkhead_runtime::engine::{FinishReason, GenEvent, GenerateRequest, PromptInput};
 use bulkhead_runtime::node::{Node, NodeConfig, SMOLLM2_NAME, TextModelConfig};
 use bulkhead_runtime::sampling::SamplingParams;
+use bulkhead_runtime::tools::{ParsedAnswer, ParsedCall, ToolChoice, ToolUse};
 use serde_json::{Value, json};
 
 fn node() -> Arc<Node> {
@@ -37,10 +41,7 @@ async fn generate(
     let engine = &node.text[SMOLLM2_NAME];
     let req = GenerateRequest {
         tenant: "t".into(),
-        input: PromptInput::Messages(vec![bulkhead_runtime::models::tokenizer::ChatMessage {
-            role: "user".into(),
-            content: prompt.into(),
-        }]),
+        input: PromptInput::Messages(vec![ChatMessage::new("user", prompt.into())]),
         params,
     };
     let mut sub = engine.submit(req).map_err(|e| e.to_string())?;
@@ -171,4 +172,148 @@ async fn any_json_object_and_the_limits_of_constrained_answers() {
     .await
     .unwrap();
     assert!(!text.is_empty());
+}
+
+fn weather_and_time_tools() -> Vec<Tool> {
+    vec![
+        Tool {
+            name: "get_weather".into(),
+            description: "The current weather in a city".into(),
+            parameters: json!({"type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 24},
+                               "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": false}),
+        },
+        Tool {
+            name: "get_time".into(),
+            description: "The current time in a time zone".into(),
+            parameters: json!({"type": "object",
+                "properties": {"timezone": {"type": "string",
+                                            "pattern": "^[A-Z][a-z]{1,12}/[A-Z][a-z]{1,12}$"}},
+                "required": ["timezone"], "additionalProperties": false}),
+        },
+    ]
+}
+
+fn with_tools(choice: ToolChoice, parallel: bool, temperature: f32, seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        seed: Some(seed),
+        max_tokens: 400,
+        constraint: Some(Constraint::ToolCalls(ToolUse {
+            tools: weather_and_time_tools(),
+            choice,
+            parallel,
+        })),
+        ..SamplingParams::default()
+    }
+}
+
+/// Each call names an offered tool and its arguments hold to that tool's schema.
+fn check_call(call: &ParsedCall, text: &str) {
+    assert!(call.complete, "{text}");
+    let args: Value =
+        serde_json::from_str(&call.arguments).unwrap_or_else(|e| panic!("{e}: {text}"));
+    let args = args.as_object().unwrap();
+    match call.name.as_str() {
+        "get_weather" => {
+            assert_eq!(args.len(), 2, "{text}");
+            assert!(
+                args["city"].as_str().unwrap().chars().count() <= 24,
+                "{text}"
+            );
+            assert!(
+                ["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()),
+                "{text}"
+            );
+        }
+        "get_time" => {
+            assert_eq!(args.len(), 1, "{text}");
+            let tz = args["timezone"].as_str().unwrap();
+            let (a, b) = tz.split_once('/').unwrap_or_else(|| panic!("{text}"));
+            for part in [a, b] {
+                assert!(
+                    part.len() >= 2 && part.chars().next().unwrap().is_ascii_uppercase(),
+                    "{text}"
+                );
+                assert!(part[1..].chars().all(|c| c.is_ascii_lowercase()), "{text}");
+            }
+        }
+        other => panic!("a call to {other}, which is not a tool: {text}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampled_tool_calls_name_a_tool_and_hold_to_its_schema() {
+    let node = tokio::task::spawn_blocking(node).await.unwrap();
+    let ask = "Check the weather in Rome and the time in Tokyo.";
+    for seed in 0..5 {
+        let (text, finish) = generate(
+            &node,
+            ask,
+            with_tools(ToolChoice::Required, true, 1.0, seed),
+        )
+        .await
+        .unwrap();
+        assert_eq!(finish, FinishReason::Stop, "seed {seed}: {text}");
+        let answer = ParsedAnswer::parse(&text);
+        assert_eq!(answer.text, "", "seed {seed}: {text}");
+        assert!((1..=8).contains(&answer.calls.len()), "seed {seed}: {text}");
+        for c in &answer.calls {
+            check_call(c, &text);
+        }
+    }
+    // A named function, one call only.
+    for seed in 0..3 {
+        let choice = ToolChoice::Function {
+            name: "get_time".into(),
+        };
+        let (text, finish) = generate(&node, ask, with_tools(choice, false, 1.0, seed))
+            .await
+            .unwrap();
+        assert_eq!(finish, FinishReason::Stop, "{text}");
+        let answer = ParsedAnswer::parse(&text);
+        assert_eq!(answer.calls.len(), 1, "{text}");
+        assert_eq!(answer.calls[0].name, "get_time", "{text}");
+        check_call(&answer.calls[0], &text);
+    }
+    // `auto`: text or calls, as the model picks; either way nothing half of each.
+    for seed in 0..3 {
+        let (text, _) = generate(
+            &node,
+            "Say hello.",
+            with_tools(ToolChoice::Auto, true, 1.0, seed),
+        )
+        .await
+        .unwrap();
+        let answer = ParsedAnswer::parse(&text);
+        assert!(answer.calls.is_empty() != answer.text.is_empty(), "{text}");
+        answer.calls.iter().for_each(|c| check_call(c, &text));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_reach_the_prompt_and_a_bad_tool_is_refused() {
+    let node = tokio::task::spawn_blocking(node).await.unwrap();
+    let engine = &node.text[SMOLLM2_NAME];
+    let input = PromptInput::Messages(vec![ChatMessage::new("user", "Weather?".into())]);
+    let params = with_tools(ToolChoice::Auto, true, 0.0, 0);
+    let with = engine
+        .tokenize_prompt(&input, params.constraint.as_ref())
+        .unwrap();
+    let without = engine.tokenize_prompt(&input, None).unwrap();
+    let shown = engine.model().tokenizer.decode(&with).unwrap();
+    assert!(
+        shown.contains("<tools>") && shown.contains("\"name\":\"get_weather\""),
+        "{shown}"
+    );
+    assert!(with.len() > without.len() + 50);
+
+    // A tool whose schema the engine cannot use is the client's error, naming tools.
+    let mut bad = with_tools(ToolChoice::Required, true, 0.0, 0);
+    if let Some(Constraint::ToolCalls(t)) = &mut bad.constraint {
+        t.tools[0].parameters = json!({"type": "object", "properties": {"a": {"$ref": "#/nope"}}});
+    }
+    let e = generate(&node, "hi", bad).await.unwrap_err();
+    assert!(e.contains("tools"), "{e}");
 }

@@ -8,7 +8,7 @@
 pub mod openai;
 pub mod workers_ai;
 
-use bulkhead_runtime::models::tokenizer::ChatMessage;
+use bulkhead_runtime::chat::{ChatMessage, ToolCall};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
@@ -115,22 +115,220 @@ impl ChatRole {
     }
 }
 
-/// A chat turn as Workers AI takes it.
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
+/// A chat turn as Workers AI takes it (tool turns as its function-calling models take them).
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Message {
-    #[schema(inline)]
     pub role: ChatRole,
     pub content: String,
+    /// An assistant turn's calls.
+    pub tool_calls: Option<Vec<WireToolCall>>,
+    /// A tool turn: the call it answers.
+    pub tool_call_id: Option<String>,
+    /// A tool turn: the function that answered.
+    pub name: Option<String>,
+}
+
+impl utoipa::PartialSchema for Message {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        json_schema(message_schema(serde_json::json!({"type": "string"}), false))
+    }
+}
+
+impl utoipa::ToSchema for Message {}
+
+/// The JSON Schema of a chat turn, one shape per role, as validation takes them: `content`
+/// (given by the surface) on every turn, except that an OpenAI assistant turn with calls
+/// may leave it out or null; `tool_calls` only on an assistant turn; `tool_call_id` only on
+/// a tool turn, where OpenAI requires it (`openai`); Workers AI's tool turn may also name its
+/// function.
+pub(crate) fn message_schema(content: serde_json::Value, openai: bool) -> serde_json::Value {
+    use serde_json::{Value, json};
+    let role = |r: &[&str]| json!({"type": "string", "enum": r});
+    let call = json!({
+        "type": "object", "additionalProperties": false, "required": ["id", "type", "function"],
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "additionalProperties": false,
+                         "required": ["name", "arguments"],
+                         "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                                        "arguments": {"type": "string",
+                                                      "description": "The arguments as JSON text"}}},
+        },
+    });
+    // Each role's shape lists every field: those that do not apply to it may be null (as any
+    // field left out), or an empty list of calls.
+    let absent = json!({"type": "null"});
+    let no_calls = json!({"type": ["array", "null"], "items": call, "maxItems": 0});
+    let calls = json!({"type": ["array", "null"], "items": call});
+    let turn = |roles: &[&str], required: &[&str], fields: Value| {
+        let mut properties = json!({"role": role(roles), "content": content,
+            "tool_calls": no_calls, "tool_call_id": absent});
+        if !openai {
+            properties["name"] = absent.clone();
+        }
+        for (k, v) in fields.as_object().into_iter().flatten() {
+            properties[k] = v.clone();
+        }
+        json!({"type": "object", "additionalProperties": false, "required": required,
+               "properties": properties})
+    };
+    let plain = turn(&["system", "user"], &["role", "content"], json!({}));
+    let assistant = if openai {
+        // With content, or with calls and content null or left out.
+        json!({"anyOf": [
+            turn(&["assistant"], &["role", "content"], json!({"tool_calls": calls})),
+            turn(&["assistant"], &["role", "tool_calls"], json!({"content": absent,
+                "tool_calls": {"type": "array", "items": call, "minItems": 1}})),
+        ]})
+    } else {
+        turn(
+            &["assistant"],
+            &["role", "content"],
+            json!({"tool_calls": calls}),
+        )
+    };
+    let tool = if openai {
+        turn(
+            &["tool"],
+            &["role", "content", "tool_call_id"],
+            json!({"tool_call_id": {"type": "string"}}),
+        )
+    } else {
+        turn(
+            &["tool"],
+            &["role", "content"],
+            json!({"tool_call_id": {"type": ["string", "null"]},
+             "name": {"type": ["string", "null"]}}),
+        )
+    };
+    json!({"oneOf": [plain, assistant, tool]})
 }
 
 impl From<Message> for ChatMessage {
     fn from(m: Message) -> Self {
         ChatMessage {
-            role: m.role.as_str().into(),
-            content: m.content,
+            tool_calls: m
+                .tool_calls
+                .unwrap_or_default()
+                .into_iter()
+                .map(Into::into)
+                .collect(),
+            tool_call_id: m.tool_call_id,
+            name: m.name,
+            ..ChatMessage::new(m.role.as_str(), m.content)
         }
     }
+}
+
+/// A call of an earlier assistant turn, as both APIs write it (its schema is in
+/// [`message_schema`]).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WireToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: FunctionType,
+    pub function: WireFunctionCall,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FunctionType {
+    Function,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WireFunctionCall {
+    pub name: String,
+    /// The arguments as JSON text.
+    pub arguments: String,
+}
+
+impl From<WireToolCall> for ToolCall {
+    fn from(c: WireToolCall) -> Self {
+        ToolCall {
+            id: c.id,
+            name: c.function.name,
+            arguments: c.function.arguments,
+        }
+    }
+}
+
+/// A new call's id, in OpenAI's shape.
+pub fn call_id() -> String {
+    let hex = uuid::Uuid::new_v4().simple().to_string();
+    format!("call_{}", &hex[..24])
+}
+
+/// The JSON Schema of `tools` (OpenAI's shape; Workers AI also takes the legacy flat one
+/// when `legacy`), `tool_choice` and a tool's `parameters`: a JSON Schema of an object,
+/// which the node compiles (a schema it cannot use is a 400 naming the tool).
+pub(crate) fn tools_schema(legacy: bool) -> serde_json::Value {
+    let name = serde_json::json!({"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"});
+    let function = serde_json::json!({
+        "type": "object", "additionalProperties": false, "required": ["name"],
+        "properties": {
+            "name": name,
+            "description": {"type": "string"},
+            "parameters": {"type": "object", "description":
+                "JSON Schema of the arguments (an object); every call is held to it"},
+            "strict": {"type": "boolean"},
+        },
+    });
+    let tool = serde_json::json!({
+        "type": "object", "additionalProperties": false, "required": ["type", "function"],
+        "properties": {"type": {"type": "string", "enum": ["function"]}, "function": function},
+    });
+    let item = if legacy {
+        serde_json::json!({"oneOf": [tool, function]})
+    } else {
+        tool
+    };
+    serde_json::json!({"type": ["array", "null"], "items": item, "minItems": 1, "maxItems": 128,
+        "description": "Functions the model may call; names are unique"})
+}
+
+/// The JSON Schema of `tool_choice`.
+pub(crate) fn tool_choice_schema() -> serde_json::Value {
+    serde_json::json!({
+        "description": "none, auto (the default with tools), required, or one of the tools by name",
+        "oneOf": [
+            {"type": "null"},
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {"type": "object", "additionalProperties": false, "required": ["type", "function"],
+             "properties": {"type": {"type": "string", "enum": ["function"]},
+                            "function": {"type": "object", "additionalProperties": false,
+                                         "required": ["name"],
+                                         "properties": {"name": {"type": "string"}}}}},
+        ],
+    })
+}
+
+/// The JSON Schema of `response_format`; `openai` wraps the schema as OpenAI does.
+pub(crate) fn response_format_schema(openai: bool) -> serde_json::Value {
+    let schema = serde_json::json!({"type": "object",
+        "description": "A JSON Schema the answer is held to"});
+    let json_schema = if openai {
+        serde_json::json!({"type": "object", "additionalProperties": false,
+            "required": ["name", "schema"],
+            "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                           "schema": schema, "strict": {"type": "boolean"}}})
+    } else {
+        schema
+    };
+    let kind = |k: &str| serde_json::json!({"type": "string", "enum": [k]});
+    serde_json::json!({"oneOf": [
+        {"type": "null"},
+        {"type": "object", "additionalProperties": false, "required": ["type"],
+         "properties": {"type": kind("text")}},
+        {"type": "object", "additionalProperties": false, "required": ["type"],
+         "properties": {"type": kind("json_object")}},
+        {"type": "object", "additionalProperties": false, "required": ["type", "json_schema"],
+         "properties": {"type": kind("json_schema"), "json_schema": json_schema}},
+    ]})
 }
 
 /// Random padding for streamed frames, so frame sizes do not reveal token lengths.
@@ -161,6 +359,25 @@ mod tests {
         e.param
     }
 
+    /// utoipa's schema type drops what it cannot hold (an `anyOf` beside `properties`
+    /// once did, silently): the hand-written schemas come out of it as they went in.
+    #[test]
+    fn hand_written_schemas_survive_utoipa_unchanged() {
+        let content = serde_json::json!({"type": "string"});
+        for schema in [
+            message_schema(content.clone(), true),
+            message_schema(content, false),
+            tools_schema(true),
+            tools_schema(false),
+            tool_choice_schema(),
+            response_format_schema(true),
+            response_format_schema(false),
+        ] {
+            let through = serde_json::to_value(json_schema(schema.clone())).unwrap();
+            assert_eq!(through, schema);
+        }
+    }
+
     #[test]
     fn errors_name_the_field() {
         for (json, field) in [
@@ -168,14 +385,13 @@ mod tests {
             (r#"{"max_tokens": 1.5}"#, "max_tokens"),
             (r#"{"max_tokens": "8"}"#, "max_tokens"),
             (r#"{"max_tokens": 18446744073709551616}"#, "max_tokens"),
-            (r#"{"tools": []}"#, "tools"),
             (
                 r#"{"messages": [{"role": "robot", "content": "x"}]}"#,
                 "messages[0].role",
             ),
             (
-                r#"{"messages": [{"role": "user", "content": "x", "name": "n"}]}"#,
-                "messages[0].name",
+                r#"{"messages": [{"role": "user", "content": "x", "refusal": "n"}]}"#,
+                "messages[0].refusal",
             ),
         ] {
             assert_eq!(param_of(json).as_deref(), Some(field), "{json}");

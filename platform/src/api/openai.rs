@@ -7,13 +7,14 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
+use bulkhead_runtime::chat::{ChatMessage, ToolCall};
 use bulkhead_runtime::engine::{FinishReason, PromptInput};
-use bulkhead_runtime::models::tokenizer::ChatMessage;
+use bulkhead_runtime::tools::{ParsedAnswer, ToolCallParser, ToolOutput};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{ChatRole, OneOrMany, parse_json};
+use super::{ChatRole, OneOrMany, WireToolCall, call_id, parse_json};
 use crate::envelope::ApiError;
 use crate::inference::{self, EmbedInput, Inference, Surface, TextEvent, TextInput};
 
@@ -94,15 +95,40 @@ impl Content {
     }
 }
 
-/// A chat turn as OpenAI takes it (no names, tool calls or refusals).
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
+/// A chat turn as OpenAI takes it (no names or refusals).
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OpenAiMessage {
-    #[schema(inline)]
     pub role: ChatRole,
-    #[schema(inline)]
-    pub content: Content,
+    /// Null (or left out) only on an assistant turn with `tool_calls`.
+    pub content: Option<Content>,
+    /// An assistant turn's calls.
+    pub tool_calls: Option<Vec<WireToolCall>>,
+    /// A tool turn: the call it answers (required there).
+    pub tool_call_id: Option<String>,
 }
+
+fn response_format_field() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    super::json_schema(super::response_format_schema(true))
+}
+
+fn tools_field() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    super::json_schema(super::tools_schema(false))
+}
+
+fn tool_choice_field() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    super::json_schema(super::tool_choice_schema())
+}
+
+impl utoipa::PartialSchema for OpenAiMessage {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        let content =
+            serde_json::to_value(<Content as utoipa::PartialSchema>::schema()).unwrap_or_default();
+        super::json_schema(super::message_schema(content, true))
+    }
+}
+
+impl utoipa::ToSchema for OpenAiMessage {}
 
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -142,15 +168,18 @@ pub struct ChatRequest {
     /// Only `false`: log probabilities are not returned.
     #[schema(value_type = Option<bool>)]
     pub logprobs: Option<bool>,
-    /// Refused until structured outputs and tools exist: named, never ignored.
-    #[schema(ignore)]
+    /// `text`, `json_object`, or `json_schema` with `{name, schema, strict}`: the answer is
+    /// held to the schema.
+    #[schema(schema_with = response_format_field)]
     pub response_format: Option<Value>,
-    #[schema(ignore)]
+    /// Functions the model may call; every call's arguments are held to their schema.
+    #[schema(schema_with = tools_field)]
     pub tools: Option<Value>,
-    #[schema(ignore)]
+    #[schema(schema_with = tool_choice_field)]
     pub tool_choice: Option<Value>,
-    #[schema(ignore)]
-    pub parallel_tool_calls: Option<Value>,
+    /// Up to 8 calls in one answer (the default) or 1.
+    pub parallel_tool_calls: Option<bool>,
+    /// Refused: OpenAI's deprecated form of `tools`.
     #[schema(ignore)]
     pub functions: Option<Value>,
     #[schema(ignore)]
@@ -187,10 +216,32 @@ fn now_s() -> u64 {
         .as_secs()
 }
 
-fn finish(f: FinishReason) -> &'static str {
+/// OpenAI's finish reason: an answer that ends with calls ends for them.
+fn finish(f: FinishReason, made_calls: bool) -> &'static str {
     match f {
+        FinishReason::Stop if made_calls => "tool_calls",
         FinishReason::Stop => "stop",
         FinishReason::Length => "length",
+    }
+}
+
+/// A streamed answer's parser output as a chunk's delta: text as `content`; a call's start
+/// with its new id, name and empty arguments; then its arguments piece by piece (OpenAI's
+/// streamed tool-call shape).
+fn call_delta(o: ToolOutput, made_calls: &mut bool) -> Option<Value> {
+    match o {
+        ToolOutput::Text(t) => Some(json!({"content": t})),
+        ToolOutput::CallStart { index, name } => {
+            *made_calls = true;
+            Some(
+                json!({"tool_calls": [{"index": index, "id": call_id(), "type": "function",
+                                        "function": {"name": name, "arguments": ""}}]}),
+            )
+        }
+        ToolOutput::Arguments { index, delta } => {
+            Some(json!({"tool_calls": [{"index": index, "function": {"arguments": delta}}]}))
+        }
+        ToolOutput::CallEnd { .. } => None,
     }
 }
 
@@ -236,24 +287,46 @@ impl ChatRequest {
                 "applies only with stream: true",
             ));
         }
-        // Tool calls without tools: a choice of none is the only one that means anything.
-        let tools = self
-            .tools
-            .or(self.functions)
-            .or(self.tool_choice.filter(|c| c != "none"))
-            .or(self.function_call.filter(|c| c != "none"))
-            .or(self.parallel_tool_calls);
+        if let Some(field) = [
+            ("functions", &self.functions),
+            ("function_call", &self.function_call),
+        ]
+        .into_iter()
+        .find_map(|(f, v)| v.is_some().then_some(f))
+        {
+            return Err(ApiError::bad_field(
+                field,
+                "is deprecated by OpenAI; use tools",
+            ));
+        }
         let mut messages = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.into_iter().enumerate() {
-            if matches!(&m.content, Content::Parts(parts) if parts.is_empty()) {
-                return Err(ApiError::bad_field(
-                    &format!("messages[{i}].content"),
-                    "a list of parts needs at least one",
-                ));
-            }
+            let calls: Vec<ToolCall> = m
+                .tool_calls
+                .unwrap_or_default()
+                .into_iter()
+                .map(Into::into)
+                .collect();
+            let content = match m.content {
+                Some(Content::Parts(parts)) if parts.is_empty() => {
+                    return Err(ApiError::bad_field(
+                        &format!("messages[{i}].content"),
+                        "a list of parts needs at least one",
+                    ));
+                }
+                Some(c) => c.into_text(),
+                None if !calls.is_empty() => String::new(),
+                None => {
+                    return Err(ApiError::bad_field(
+                        &format!("messages[{i}].content"),
+                        "is required, except on an assistant turn with tool_calls",
+                    ));
+                }
+            };
             messages.push(ChatMessage {
-                role: m.role.as_str().into(),
-                content: m.content.into_text(),
+                tool_calls: calls,
+                tool_call_id: m.tool_call_id,
+                ..ChatMessage::new(m.role.as_str(), content)
             });
         }
         Ok(TextInput {
@@ -274,7 +347,9 @@ impl ChatRequest {
             response_format: self
                 .response_format
                 .filter(|f| f != &json!({"type": "text"})),
-            tools,
+            tools: self.tools,
+            tool_choice: self.tool_choice,
+            parallel_tool_calls: self.parallel_tool_calls,
             ..TextInput::new(Surface::OpenAi, PromptInput::Messages(messages))
         })
     }
@@ -297,6 +372,7 @@ pub async fn chat(inference: &Inference, tenant: &str, body: &[u8]) -> Result<Re
     let limit_headers = std::mem::take(&mut generation.limit_headers);
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let created = now_s();
+    let calls_tools = generation.calls_tools();
     let mut resp = if stream {
         let model_name = model.name.clone();
         let chunk = move |delta: Value, finish: Option<&str>| {
@@ -305,18 +381,36 @@ pub async fn chat(inference: &Inference, tenant: &str, body: &[u8]) -> Result<Re
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}],
             })
         };
-        let first = chunk(json!({"role": "assistant", "content": ""}), None).to_string();
+        // An answer that may be calls has no content until it is known to be text.
+        let first = match calls_tools {
+            false => chunk(json!({"role": "assistant", "content": ""}), None),
+            true => chunk(json!({"role": "assistant", "content": null}), None),
+        }
+        .to_string();
+        let mut calls = calls_tools.then(ToolCallParser::new);
+        let mut made_calls = false;
         let events = generation.flat_map(move |ev| {
+            let data = |delta: Value, finish: Option<&str>| {
+                Event::default().data(chunk(delta, finish).to_string())
+            };
+            let mut deltas = |outputs: Vec<ToolOutput>| -> Vec<Event> {
+                outputs
+                    .into_iter()
+                    .filter_map(|o| call_delta(o, &mut made_calls))
+                    .map(|d| data(d, None))
+                    .collect()
+            };
             let out: Vec<Event> = match ev {
-                TextEvent::Text(text) => {
-                    vec![Event::default().data(chunk(json!({"content": text}), None).to_string())]
-                }
+                TextEvent::Text(text) => match &mut calls {
+                    None => vec![data(json!({"content": text}), None)],
+                    Some(parser) => deltas(parser.push(&text)),
+                },
                 TextEvent::Done {
                     usage,
                     finish_reason,
                 } => {
-                    let last = chunk(json!({}), Some(finish(finish_reason)));
-                    let mut out = vec![Event::default().data(last.to_string())];
+                    let mut out = calls.take().map_or_else(Vec::new, |p| deltas(p.finish()));
+                    out.push(data(json!({}), Some(finish(finish_reason, made_calls))));
                     if include_usage {
                         let mut u = chunk(json!({}), None);
                         u["choices"] = json!([]);
@@ -339,10 +433,31 @@ pub async fn chat(inference: &Inference, tenant: &str, body: &[u8]) -> Result<Re
         Sse::new(all).into_response()
     } else {
         let done = generation.collect().await?;
+        let (message, made_calls) = if calls_tools {
+            let answer = ParsedAnswer::parse(&done.text);
+            let calls: Vec<Value> = answer
+                .calls
+                .iter()
+                .map(|c| {
+                    json!({"id": call_id(), "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments}})
+                })
+                .collect();
+            let mut message = json!({"role": "assistant", "content": answer.text});
+            if !calls.is_empty() {
+                if answer.text.is_empty() {
+                    message["content"] = Value::Null;
+                }
+                message["tool_calls"] = Value::Array(calls);
+            }
+            (message, !answer.calls.is_empty())
+        } else {
+            (json!({"role": "assistant", "content": done.text}), false)
+        };
         axum::Json(json!({
             "id": id, "object": "chat.completion", "created": created, "model": model.name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                         "finish_reason": finish(done.finish_reason), "logprobs": null}],
+            "choices": [{"index": 0, "message": message,
+                         "finish_reason": finish(done.finish_reason, made_calls), "logprobs": null}],
             "usage": done.usage,
         }))
         .into_response()
@@ -472,17 +587,118 @@ mod tests {
         b
     }
 
+    fn tool(name: &str) -> Value {
+        json!({"type": "function", "function": {"name": name,
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}})
+    }
+
+    /// A body with one tool `f`, and `field` set.
+    fn with_tools(field: &str, v: Value) -> Value {
+        let mut b = with("tools", json!([tool("f")]));
+        b[field] = v;
+        b
+    }
+
+    fn model() -> crate::store::ModelRecord {
+        crate::store::ModelRecord {
+            name: "m".into(),
+            task: inference::TASK_TEXT_GENERATION.into(),
+            description: String::new(),
+            context_window: 512,
+            max_output_tokens: 64,
+            visibility: crate::store::Visibility::Public,
+            visibility_reason: None,
+            allow: vec![],
+            properties: json!({}),
+            created_at: 0,
+            updated_at: 0,
+        }
+    }
+
+    fn validate(i: TextInput) -> inference::ValidTextRequest {
+        inference::validate_text(&model(), i).unwrap()
+    }
+
     #[test]
     fn fields_are_taken_or_refused_by_name() {
         for (body, field) in [
             (
                 with(
                     "tools",
-                    json!([{"type": "function", "function": {"name": "f"}}]),
+                    json!([{"type": "function", "function": {"name": "f", "x": 1}}]),
                 ),
-                "tools",
+                "tools[0].function.x",
             ),
-            (with("tool_choice", json!("required")), "tools"),
+            (
+                with(
+                    "tools",
+                    json!([{"type": "function", "function": {"name": "a b"}}]),
+                ),
+                "tools[0].function.name",
+            ),
+            (
+                with("tools", json!([{"name": "f", "parameters": {}}])),
+                "tools[0].name",
+            ),
+            (
+                with("tools", json!([tool("f"), tool("f")])),
+                "tools[1].function.name",
+            ),
+            (
+                with(
+                    "tools",
+                    json!([{"type": "function",
+                            "function": {"name": "f", "parameters": {"type": "string"}}}]),
+                ),
+                "tools[0].function.parameters.type",
+            ),
+            (with("tools", json!([])), "tools"),
+            (with("tool_choice", json!("required")), "tool_choice"),
+            (
+                with("parallel_tool_calls", json!(false)),
+                "parallel_tool_calls",
+            ),
+            (
+                with_tools(
+                    "tool_choice",
+                    json!({"type": "function", "function": {"name": "g"}}),
+                ),
+                "tool_choice.function.name",
+            ),
+            (with_tools("tool_choice", json!("sometimes")), "tool_choice"),
+            (
+                with_tools("response_format", json!({"type": "json_object"})),
+                "response_format",
+            ),
+            (with("functions", json!([{"name": "f"}])), "functions"),
+            (with("function_call", json!("auto")), "function_call"),
+            (
+                with(
+                    "messages",
+                    json!([{"role": "user", "content": "hi"},
+                           {"role": "tool", "content": "18 C"}]),
+                ),
+                "messages[1].tool_call_id",
+            ),
+            (
+                with("messages", json!([{"role": "user"}])),
+                "messages[0].content",
+            ),
+            (
+                with(
+                    "messages",
+                    json!([{"role": "user", "content": "hi", "tool_call_id": "c"}]),
+                ),
+                "messages[0].tool_call_id",
+            ),
+            (
+                with(
+                    "messages",
+                    json!([{"role": "user", "content": "hi", "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
+                ),
+                "messages[0].tool_calls",
+            ),
             (
                 with("response_format", json!({"type": "xml"})),
                 "response_format.type",
@@ -530,20 +746,7 @@ mod tests {
             (with("n", json!(u64::MAX as f64)), "n"),
         ] {
             let e = input(body.clone()).and_then(|i| {
-                let m = crate::store::ModelRecord {
-                    name: "m".into(),
-                    task: inference::TASK_TEXT_GENERATION.into(),
-                    description: String::new(),
-                    context_window: 512,
-                    max_output_tokens: 64,
-                    visibility: crate::store::Visibility::Public,
-                    visibility_reason: None,
-                    allow: vec![],
-                    properties: json!({}),
-                    created_at: 0,
-                    updated_at: 0,
-                };
-                inference::validate_text(&m, i).map(|_| unreachable!("{body} was accepted"))
+                inference::validate_text(&model(), i).map(|_| unreachable!("{body} was accepted"))
             });
             let e = e.unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field), "{body}: {e:?}");
@@ -551,8 +754,34 @@ mod tests {
         // The defaults a client may spell out are what they are.
         let i = input(with("response_format", json!({"type": "text"}))).unwrap();
         assert!(i.response_format.is_none());
-        let i = input(with("tool_choice", json!("none"))).unwrap();
-        assert!(i.tools.is_none());
+        // A choice of none is an answer without tools (the prompt shows none either).
+        let none = validate(input(with_tools("tool_choice", json!("none"))).unwrap());
+        assert!(none.params().constraint.is_none());
+        let named = validate(
+            input(with_tools(
+                "tool_choice",
+                json!({"type": "function", "function": {"name": "f"}}),
+            ))
+            .unwrap(),
+        );
+        assert!(named.calls_tools());
+        // An assistant turn with calls needs no content; the calls reach the prompt.
+        let history = with(
+            "messages",
+            json!([{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": null, "tool_calls": [
+                       {"id": "c1", "type": "function",
+                        "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "ok"}]),
+        );
+        let PromptInput::Messages(m) = input(history).unwrap().prompt else {
+            panic!()
+        };
+        assert_eq!(
+            (m[1].content.as_str(), m[1].tool_calls[0].name.as_str()),
+            ("", "f")
+        );
+        assert_eq!(m[2].tool_call_id.as_deref(), Some("c1"));
         let i = input(with("max_completion_tokens", json!(9))).unwrap();
         assert_eq!(
             (i.max_tokens, i.max_tokens_field),

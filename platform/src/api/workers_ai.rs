@@ -5,6 +5,7 @@
 
 use axum::http::HeaderMap;
 use bulkhead_runtime::engine::{FinishReason, PromptInput, Usage};
+use bulkhead_runtime::tools::{ParsedAnswer, ParsedCall, ToolCallParser, ToolOutput};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -57,15 +58,33 @@ pub struct TextGenerationInput {
     /// Keep generating past end-of-sequence until `max_tokens` (benchmarks).
     #[serde(default)]
     pub ignore_eos: bool,
-    /// Refused until structured outputs exist: named, never ignored.
-    #[schema(ignore)]
+    /// JSON mode: the answer is held to `json_schema` (or is any JSON object), and
+    /// `response` is that JSON value.
+    #[schema(schema_with = response_format_field)]
     pub response_format: Option<Value>,
-    #[schema(ignore)]
+    /// Functions the model may call; its calls come back in `tool_calls`.
+    #[schema(schema_with = tools_field)]
     pub tools: Option<Value>,
+    /// As on the OpenAI API: `auto` (the default), `none`, `required` or a tool by name.
+    #[schema(schema_with = tool_choice_field)]
+    pub tool_choice: Option<Value>,
+    /// Refused: embedded function calling (code run for the model) is not offered here.
     #[schema(ignore)]
     pub functions: Option<Value>,
     #[schema(ignore)]
     pub lora: Option<Value>,
+}
+
+fn response_format_field() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    super::json_schema(super::response_format_schema(false))
+}
+
+fn tools_field() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    super::json_schema(super::tools_schema(true))
+}
+
+fn tool_choice_field() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    super::json_schema(super::tool_choice_schema())
 }
 
 /// A stop sequence: 1 to 64 characters.
@@ -101,6 +120,12 @@ impl TextGenerationInput {
                 ));
             }
         };
+        if self.functions.is_some() {
+            return Err(ApiError::bad_field(
+                "functions",
+                "embedded function calling is not offered; give tools instead",
+            ));
+        }
         if self.lora.is_some() {
             return Err(ApiError::bad_field(
                 "lora",
@@ -124,7 +149,8 @@ impl TextGenerationInput {
                 .collect(),
             ignore_eos: self.ignore_eos,
             response_format: self.response_format,
-            tools: self.tools.or(self.functions),
+            tools: self.tools,
+            tool_choice: self.tool_choice,
             ..TextInput::new(Surface::WorkersAi, prompt)
         };
         Ok((input, self.stream))
@@ -148,11 +174,49 @@ pub struct TextGenerationResult {
     /// The answer; with `response_format` (JSON mode), the JSON value itself.
     #[schema(value_type = Value)]
     pub response: Value,
-    /// Always empty: function calling is not supported yet.
-    #[schema(value_type = Vec<Object>, max_items = 0)]
-    pub tool_calls: Vec<()>,
+    /// The calls of an answer to a request with `tools` (else empty).
+    #[schema(inline)]
+    pub tool_calls: Vec<ToolCallResult>,
     #[schema(inline)]
     pub usage: UsageSchema,
+}
+
+/// A call in a result, in both shapes Workers AI clients read: OpenAI's (`id`, `type`,
+/// `function` with the arguments as JSON text) and the legacy one (`name`, and `arguments`
+/// as an object; as the text when a cut-short answer's arguments do not parse).
+#[derive(utoipa::ToSchema, serde::Serialize)]
+pub struct ToolCallResult {
+    pub id: String,
+    #[serde(rename = "type")]
+    #[schema(pattern = "^function$")]
+    pub kind: String,
+    #[schema(inline)]
+    pub function: FunctionResult,
+    pub name: String,
+    #[schema(value_type = Value)]
+    pub arguments: Value,
+}
+
+#[derive(utoipa::ToSchema, serde::Serialize)]
+pub struct FunctionResult {
+    pub name: String,
+    pub arguments: String,
+}
+
+impl ToolCallResult {
+    fn new(call: &ParsedCall) -> ToolCallResult {
+        ToolCallResult {
+            id: super::call_id(),
+            kind: "function".into(),
+            function: FunctionResult {
+                name: call.name.clone(),
+                arguments: call.arguments.clone(),
+            },
+            name: call.name.clone(),
+            arguments: serde_json::from_str(&call.arguments)
+                .unwrap_or_else(|_| Value::String(call.arguments.clone())),
+        }
+    }
 }
 
 /// Token counts of a generation.
@@ -262,13 +326,22 @@ pub async fn execute(
 ) -> Result<(RunOutput, HeaderMap), ApiError> {
     match prepared {
         Prepared::Text { model, req, stream } => {
-            let json_mode = req.params().constraint.is_some();
+            let calls_tools = req.calls_tools();
+            let json_mode = req.params().constraint.is_some() && !calls_tools;
             let mut generation = inference.generate(tenant, &model, req).await?;
             let headers = std::mem::take(&mut generation.limit_headers);
             if stream {
                 return Ok((RunOutput::Stream(generation), headers));
             }
             let done = generation.collect().await?;
+            if calls_tools {
+                let answer = ParsedAnswer::parse(&done.text);
+                let calls: Vec<ToolCallResult> =
+                    answer.calls.iter().map(ToolCallResult::new).collect();
+                let result =
+                    json!({ "response": answer.text, "tool_calls": calls, "usage": done.usage });
+                return Ok((RunOutput::Json(result), headers));
+            }
             // Workers AI's JSON mode answers with the object itself. An answer `max_tokens`
             // cut short is not one: it stays text, with its `length`-shaped usage.
             let response = match (json_mode, done.finish_reason) {
@@ -325,24 +398,79 @@ impl SseFrame {
 }
 
 /// Workers AI SSE: `data: {"response": "...", "p": "..."}` per piece, a final frame with
-/// `usage`, then `data: [DONE]`. An error after the first token ends the stream with an
-/// `error` event and no `[DONE]`.
+/// `usage`, then `data: [DONE]`. An answer with calls sends each call whole in a
+/// `{"tool_calls": [...]}` frame once its arguments are complete (a call `max_tokens` cut
+/// short comes at the end, as it stands). An error after the first token ends the stream
+/// with an `error` event and no `[DONE]`.
 pub fn sse_frames(generation: Generation) -> impl futures::Stream<Item = SseFrame> + Send {
-    generation.flat_map(|ev| {
+    let mut calls = generation
+        .calls_tools()
+        .then(|| (ToolCallParser::new(), ParsedAnswer::default()));
+    generation.flat_map(move |ev| {
         let frames = match ev {
-            TextEvent::Text(text) => vec![SseFrame::Data(
-                json!({ "response": text, "p": padding() }).to_string(),
-            )],
-            TextEvent::Done { usage, .. } => vec![
-                SseFrame::Data(done_frame(usage)),
-                SseFrame::Data("[DONE]".into()),
-            ],
+            TextEvent::Text(text) => match &mut calls {
+                None => vec![text_frame(text)],
+                Some((parser, answer)) => tool_frames(answer, parser.push(&text)),
+            },
+            TextEvent::Done { usage, .. } => {
+                let mut frames = match calls.take() {
+                    None => vec![],
+                    Some((parser, mut answer)) => {
+                        let mut frames = tool_frames(&mut answer, parser.finish());
+                        frames.extend(
+                            answer
+                                .calls
+                                .iter()
+                                .enumerate()
+                                .filter(|(_, c)| !c.complete)
+                                .map(|(i, c)| call_frame(i, c)),
+                        );
+                        frames
+                    }
+                };
+                frames.push(SseFrame::Data(done_frame(usage)));
+                frames.push(SseFrame::Data("[DONE]".into()));
+                frames
+            }
             TextEvent::Failed(err) => vec![SseFrame::Error(
                 json!({ "errors": [{ "code": err.code, "message": err.message }] }).to_string(),
             )],
         };
         futures::stream::iter(frames)
     })
+}
+
+fn text_frame(text: String) -> SseFrame {
+    SseFrame::Data(json!({ "response": text, "p": padding() }).to_string())
+}
+
+/// The frames of parser output: text as it comes, each call once it is complete.
+fn tool_frames(answer: &mut ParsedAnswer, outputs: Vec<ToolOutput>) -> Vec<SseFrame> {
+    let mut frames = Vec::new();
+    for o in outputs {
+        let ended = match &o {
+            ToolOutput::Text(t) => {
+                frames.push(text_frame(t.clone()));
+                None
+            }
+            ToolOutput::CallEnd { index } => Some(*index),
+            ToolOutput::CallStart { .. } | ToolOutput::Arguments { .. } => None,
+        };
+        answer.extend([o]);
+        if let Some(c) = ended.and_then(|i| answer.calls.get(i).map(|c| (i, c))) {
+            frames.push(call_frame(c.0, c.1));
+        }
+    }
+    frames
+}
+
+fn call_frame(index: usize, call: &ParsedCall) -> SseFrame {
+    let c = ToolCallResult::new(call);
+    SseFrame::Data(
+        json!({ "tool_calls": [{ "id": c.id, "type": "function", "index": index,
+                "function": c.function }], "p": padding() })
+        .to_string(),
+    )
 }
 
 fn done_frame(usage: Usage) -> String {
@@ -526,9 +654,16 @@ mod tests {
         let messages = &variants[1];
         assert!(messages["properties"].get("prompt").is_none());
         assert!(messages["properties"].get("raw").is_none());
-        for refused in ["response_format", "tools", "functions", "lora"] {
+        for refused in ["functions", "lora"] {
             assert!(prompt["properties"].get(refused).is_none(), "{refused}");
         }
+        for documented in ["response_format", "tools", "tool_choice"] {
+            assert!(
+                prompt["properties"].get(documented).is_some(),
+                "{documented}"
+            );
+        }
+        assert_eq!(prompt["properties"]["tools"]["maxItems"], 128, "{prompt}");
         let names: Vec<&String> = prompt["properties"].as_object().unwrap().keys().collect();
         for name in names {
             let body = match name.as_str() {

@@ -66,6 +66,8 @@ pub struct Generation {
     ended: bool,
     /// The last event, held until its usage is durable (boxed: it is rare and large).
     last: Option<Box<(Durable, TextEvent)>>,
+    /// Whether the answer is in the tool-call format (`bulkhead_runtime::tools`).
+    calls_tools: bool,
     /// The `x-ratelimit-*` headers for the response.
     pub limit_headers: HeaderMap,
 }
@@ -74,6 +76,12 @@ impl Generation {
     /// The catalog name of the model generating.
     pub fn model(&self) -> &str {
         &self.model
+    }
+
+    /// Whether the text is an answer in the tool-call format, which the surface reads with
+    /// `bulkhead_runtime::tools::ToolCallParser`.
+    pub fn calls_tools(&self) -> bool {
+        self.calls_tools
     }
 
     /// Count the generation (once); the returned future resolves when that is durable.
@@ -200,6 +208,7 @@ impl Inference {
     ) -> Result<Generation, ApiError> {
         let limit_headers = self.rate_limit(tenant, Task::TextGeneration).await?;
         let mut last_err = None;
+        let calls_tools = req.calls_tools();
         for route in self.text_routes(model)? {
             let attempt = match route {
                 Route::Local(engine) => start_local(tenant, engine, &req).await,
@@ -216,6 +225,7 @@ impl Inference {
                         rest,
                         ended: false,
                         last: None,
+                        calls_tools,
                         limit_headers,
                     });
                 }

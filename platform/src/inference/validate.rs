@@ -6,10 +6,12 @@
 //! is range-checked before any arithmetic; nothing is clamped or dropped silently. Fields that
 //! are not implemented yet are refused here, by name, so no surface can accept one.
 
+use bulkhead_runtime::chat::ChatMessage;
+use bulkhead_runtime::chat::{Tool, valid_tool_name};
 use bulkhead_runtime::constraint::{Constraint, MAX_SCHEMA_BYTES};
 use bulkhead_runtime::engine::PromptInput;
-use bulkhead_runtime::models::tokenizer::ChatMessage;
 use bulkhead_runtime::sampling::SamplingParams;
+use bulkhead_runtime::tools::{MAX_TOOLS, ToolChoice, ToolUse};
 
 use super::{TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
 use crate::envelope::ApiError;
@@ -57,8 +59,10 @@ pub struct TextInput {
     pub n: Option<u64>,
     /// Structured output, as the surface's clients write it (see [`response_format`]).
     pub response_format: Option<serde_json::Value>,
-    /// Function calling: refused until it exists.
+    /// Function calling, as the surface's clients write it (see [`tool_use`]).
     pub tools: Option<serde_json::Value>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 impl TextInput {
@@ -81,6 +85,8 @@ impl TextInput {
             n: None,
             response_format: None,
             tools: None,
+            tool_choice: None,
+            parallel_tool_calls: None,
         }
     }
 }
@@ -98,6 +104,10 @@ impl ValidTextRequest {
     }
     pub fn params(&self) -> &SamplingParams {
         &self.params
+    }
+    /// Whether the answer is in the tool-call format (`bulkhead_runtime::tools`).
+    pub fn calls_tools(&self) -> bool {
+        matches!(self.params.constraint, Some(Constraint::ToolCalls(_)))
     }
 }
 
@@ -165,7 +175,7 @@ pub fn validate_text(model: &ModelRecord, input: TextInput) -> Result<ValidTextR
             ),
         ));
     }
-    check_prompt(&input.prompt)?;
+    check_prompt(input.surface, &input.prompt)?;
     if let Some(n) = input.n {
         within_range("n", n, 1..=1)?;
     }
@@ -175,12 +185,22 @@ pub fn validate_text(model: &ModelRecord, input: TextInput) -> Result<ValidTextR
         .map(|f| response_format(input.surface, f))
         .transpose()?
         .flatten();
-    if input.tools.is_some() {
-        return Err(ApiError::bad_field(
-            "tools",
-            "function calling is not supported yet",
-        ));
-    }
+    let tool_use = tool_use(
+        input.surface,
+        input.tools.as_ref(),
+        input.tool_choice.as_ref(),
+        input.parallel_tool_calls,
+    )?;
+    let constraint = match (constraint, tool_use) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad_field(
+                "response_format",
+                "cannot be combined with tools (unless tool_choice is \"none\")",
+            ));
+        }
+        (format, None) => format,
+        (None, Some(t)) => Some(Constraint::ToolCalls(t)),
+    };
     let limit = max_output_tokens(model);
     let max_tokens = match input.max_tokens {
         None => DEFAULT_MAX_TOKENS.min(limit),
@@ -374,7 +394,190 @@ fn openai_json_schema(wrapper: &serde_json::Value) -> Result<serde_json::Value, 
     }
 }
 
-fn check_prompt(prompt: &PromptInput) -> Result<(), ApiError> {
+/// `tools`, `tool_choice` and `parallel_tool_calls` as what the answer may call, or `None`
+/// when it may call nothing: no tools, or a choice of `"none"` (the prompt then shows no
+/// tools either, as if there were none). OpenAI's tool shape on both surfaces; Workers AI
+/// also takes its legacy flat one (`{name, description, parameters}`).
+fn tool_use(
+    surface: Surface,
+    tools: Option<&serde_json::Value>,
+    choice: Option<&serde_json::Value>,
+    parallel: Option<bool>,
+) -> Result<Option<ToolUse>, ApiError> {
+    let Some(tools) = tools else {
+        if choice.is_some_and(|c| c != "none") {
+            return Err(ApiError::bad_field(
+                "tool_choice",
+                "applies only with tools",
+            ));
+        }
+        if parallel.is_some() {
+            return Err(ApiError::bad_field(
+                "parallel_tool_calls",
+                "applies only with tools",
+            ));
+        }
+        return Ok(None);
+    };
+    let list = match tools.as_array() {
+        Some(l) if (1..=MAX_TOOLS).contains(&l.len()) => l,
+        _ => {
+            return Err(ApiError::bad_field(
+                "tools",
+                format!("must be a list of 1 to {MAX_TOOLS} tools"),
+            ));
+        }
+    };
+    let mut parsed: Vec<Tool> = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let (tool, name_field) = tool(surface, i, t)?;
+        if parsed.iter().any(|p| p.name == tool.name) {
+            return Err(ApiError::bad_field(
+                &name_field,
+                format!("{:?} names two tools", tool.name),
+            ));
+        }
+        parsed.push(tool);
+    }
+    let choice = match choice {
+        None => ToolChoice::Auto,
+        Some(c) if c == "none" => return Ok(None),
+        Some(c) if c == "auto" => ToolChoice::Auto,
+        Some(c) if c == "required" => ToolChoice::Required,
+        Some(c) => {
+            let named = c
+                .as_object()
+                .filter(|o| o.len() == 2 && o.get("type").is_some_and(|t| t == "function"))
+                .and_then(|o| o.get("function")?.as_object())
+                .filter(|f| f.len() == 1)
+                .and_then(|f| f.get("name")?.as_str());
+            match named {
+                Some(name) if parsed.iter().any(|t| t.name == name) => ToolChoice::Function {
+                    name: name.to_string(),
+                },
+                Some(name) => {
+                    return Err(ApiError::bad_field(
+                        "tool_choice.function.name",
+                        format!("{name:?} is not one of the tools"),
+                    ));
+                }
+                None => {
+                    return Err(ApiError::bad_field(
+                        "tool_choice",
+                        "must be \"none\", \"auto\", \"required\" or \
+                         {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    ));
+                }
+            }
+        }
+    };
+    Ok(Some(ToolUse {
+        tools: parsed,
+        choice,
+        parallel: parallel.unwrap_or(true),
+    }))
+}
+
+/// Tool `i` of `tools`, and the field that names it (for errors about the name).
+fn tool(surface: Surface, i: usize, t: &serde_json::Value) -> Result<(Tool, String), ApiError> {
+    let field = format!("tools[{i}]");
+    let unknown =
+        |obj: &serde_json::Map<String, serde_json::Value>, at: &str, allowed: &[&str]| match obj
+            .keys()
+            .find(|k| !allowed.contains(&k.as_str()))
+        {
+            Some(k) => Err(ApiError::bad_field(&format!("{at}.{k}"), "unknown field")),
+            None => Ok(()),
+        };
+    let Some(obj) = t.as_object() else {
+        return Err(ApiError::bad_field(&field, "must be an object"));
+    };
+    let legacy = surface == Surface::WorkersAi && !obj.contains_key("type");
+    let (function, at) = if legacy {
+        (obj, field.clone())
+    } else {
+        unknown(obj, &field, &["type", "function"])?;
+        if obj.get("type").is_none_or(|t| t != "function") {
+            return Err(ApiError::bad_field(
+                &format!("{field}.type"),
+                "must be \"function\"",
+            ));
+        }
+        let at = format!("{field}.function");
+        match obj.get("function").and_then(|f| f.as_object()) {
+            Some(f) => (f, at),
+            None => return Err(ApiError::bad_field(&at, "is required: an object")),
+        }
+    };
+    unknown(
+        function,
+        &at,
+        &["name", "description", "parameters", "strict"],
+    )?;
+    let name_field = format!("{at}.name");
+    let name = match function.get("name").and_then(|n| n.as_str()) {
+        Some(n) if valid_tool_name(n) => n.to_string(),
+        _ => {
+            return Err(ApiError::bad_field(
+                &name_field,
+                "is required: 1 to 64 of a-z, A-Z, 0-9, _ and -",
+            ));
+        }
+    };
+    let description = match function.get("description") {
+        None => String::new(),
+        Some(serde_json::Value::String(d)) => d.clone(),
+        Some(_) => {
+            return Err(ApiError::bad_field(
+                &format!("{at}.description"),
+                "must be a string",
+            ));
+        }
+    };
+    if function.get("strict").is_some_and(|s| !s.is_boolean()) {
+        return Err(ApiError::bad_field(
+            &format!("{at}.strict"),
+            "must be a boolean",
+        ));
+    }
+    // Arguments are always an object: a schema without a type is one of an object, and
+    // every call is held to its schema, strict or not.
+    let parameters = match function.get("parameters") {
+        None => serde_json::json!({"type": "object", "properties": {}}),
+        Some(serde_json::Value::Object(p)) => {
+            let mut p = p.clone();
+            match p.get("type") {
+                None => {
+                    p.insert("type".into(), "object".into());
+                }
+                Some(t) if t == "object" => {}
+                Some(_) => {
+                    return Err(ApiError::bad_field(
+                        &format!("{at}.parameters.type"),
+                        "must be \"object\": arguments are a JSON object",
+                    ));
+                }
+            }
+            serde_json::Value::Object(p)
+        }
+        Some(_) => {
+            return Err(ApiError::bad_field(
+                &format!("{at}.parameters"),
+                "must be a JSON Schema object",
+            ));
+        }
+    };
+    Ok((
+        Tool {
+            name,
+            description,
+            parameters,
+        },
+        name_field,
+    ))
+}
+
+fn check_prompt(surface: Surface, prompt: &PromptInput) -> Result<(), ApiError> {
     match prompt {
         PromptInput::Text { prompt, .. } if prompt.is_empty() => Err(ApiError::bad_field(
             "prompt",
@@ -394,9 +597,53 @@ fn check_prompt(prompt: &PromptInput) -> Result<(), ApiError> {
                     ),
                 ));
             }
-            Ok(())
+            messages
+                .iter()
+                .enumerate()
+                .try_for_each(|(i, m)| check_turn(surface, i, m))
         }
     }
+}
+
+/// A turn's tool fields: calls only on an assistant turn, a call id and a function name
+/// only on a tool turn (OpenAI requires the id there).
+fn check_turn(surface: Surface, i: usize, m: &ChatMessage) -> Result<(), ApiError> {
+    let at = |f: &str| format!("messages[{i}].{f}");
+    if !m.tool_calls.is_empty() && m.role != "assistant" {
+        return Err(ApiError::bad_field(
+            &at("tool_calls"),
+            "only an assistant turn has calls",
+        ));
+    }
+    if let Some((j, _)) = m
+        .tool_calls
+        .iter()
+        .enumerate()
+        .find(|(_, c)| !valid_tool_name(&c.name))
+    {
+        return Err(ApiError::bad_field(
+            &at(&format!("tool_calls[{j}].function.name")),
+            "must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
+        ));
+    }
+    for (field, set) in [
+        ("tool_call_id", m.tool_call_id.is_some()),
+        ("name", m.name.is_some()),
+    ] {
+        if set && m.role != "tool" {
+            return Err(ApiError::bad_field(
+                &at(field),
+                "applies only to a tool turn",
+            ));
+        }
+    }
+    if surface == Surface::OpenAi && m.role == "tool" && m.tool_call_id.is_none() {
+        return Err(ApiError::bad_field(
+            &at("tool_call_id"),
+            "is required on a tool turn",
+        ));
+    }
+    Ok(())
 }
 
 fn known_role(m: &ChatMessage) -> bool {
@@ -690,10 +937,7 @@ mod tests {
             (
                 TextInput::new(
                     Surface::OpenAi,
-                    PromptInput::Messages(vec![ChatMessage {
-                        role: "robot".into(),
-                        content: "x".into(),
-                    }]),
+                    PromptInput::Messages(vec![ChatMessage::new("robot", "x".into())]),
                 ),
                 "messages[0].role",
             ),

@@ -13,6 +13,7 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, Tokenizer};
 
+use crate::chat::{ChatMessage, Tool, inline_tools, template_message};
 use crate::error::RuntimeError;
 
 /// GGUF token types that are special (control and user-defined) and must never be split.
@@ -45,14 +46,6 @@ fn byte_level_bytes(token: &str) -> Vec<u8> {
 
 /// The default ChatML template, used when a GGUF carries none.
 const CHATML_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-
-/// A chat message as clients send it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
 
 pub struct TextTokenizer {
     inner: Tokenizer,
@@ -202,27 +195,99 @@ impl TextTokenizer {
         self.stop_ids.contains(&id)
     }
 
-    /// Render messages with the model's chat template, ending with the assistant's turn.
-    pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, RuntimeError> {
-        let mut env = minijinja::Environment::new();
-        env.add_template("chat", &self.chat_template)
-            .map_err(|e| internal(format!("chat template: {e}")))?;
-        let tmpl = env.get_template("chat").map_err(internal)?;
-        let messages: Vec<minijinja::Value> = messages
-            .iter()
-            .map(|m| {
-                minijinja::Value::from(std::collections::BTreeMap::from([
-                    ("role".to_string(), m.role.clone()),
-                    ("content".to_string(), m.content.clone()),
-                ]))
-            })
-            .collect();
-        tmpl.render(minijinja::context! {
-            messages => messages,
-            add_generation_prompt => true,
-            bos_token => "",
-            eos_token => "",
+    /// Render messages with the model's chat template, ending with the assistant's turn
+    /// (see [`render_chat`]).
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Tool],
+    ) -> Result<String, RuntimeError> {
+        render_chat(&self.chat_template, messages, tools)
+    }
+}
+
+/// `messages` in the chat `template`, ending with the assistant's turn. A template that
+/// mentions `tools` gets them as HF templates take them (`tools`, and `tool_calls` and
+/// `tool_call_id` on messages); one that does not gets plain turns from
+/// [`inline_tools`], the documented default.
+fn render_chat(
+    template: &str,
+    messages: &[ChatMessage],
+    tools: &[Tool],
+) -> Result<String, RuntimeError> {
+    let mut env = minijinja::Environment::new();
+    env.add_template("chat", template)
+        .map_err(|e| internal(format!("chat template: {e}")))?;
+    let tmpl = env.get_template("chat").map_err(internal)?;
+    let native = template.contains("tools");
+    let inlined;
+    let messages = if native {
+        messages
+    } else {
+        inlined = inline_tools(messages, tools);
+        &inlined
+    };
+    let messages: Vec<serde_json::Value> = messages.iter().map(template_message).collect();
+    let tools: Vec<serde_json::Value> = tools
+        .iter()
+        .map(|t| {
+            serde_json::json!({"type": "function", "function": {
+                "name": t.name, "description": t.description, "parameters": t.parameters}})
         })
-        .map_err(|e| RuntimeError::BadInput(format!("cannot apply the chat template: {e}")))
+        .collect();
+    tmpl.render(minijinja::context! {
+        messages => minijinja::Value::from(minijinja::value::Serde(&messages)),
+        tools => if native && !tools.is_empty() {
+            minijinja::Value::from(minijinja::value::Serde(&tools))
+        } else {
+            minijinja::Value::from(())
+        },
+        add_generation_prompt => true,
+        bos_token => "",
+        eos_token => "",
+    })
+    .map_err(|e| RuntimeError::BadInput(format!("cannot apply the chat template: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chat::ToolCall;
+
+    /// A template in the HF style of tool-calling models (Qwen's shape, shortened).
+    const TOOL_TEMPLATE: &str = "{%- if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+    #[test]
+    fn a_template_that_knows_tools_renders_them_itself() {
+        let tools = [Tool {
+            name: "get_weather".into(),
+            description: String::new(),
+            parameters: serde_json::json!({"type": "object"}),
+        }];
+        let mut call = ChatMessage::new("assistant", String::new());
+        call.tool_calls = vec![ToolCall {
+            id: "c1".into(),
+            name: "get_weather".into(),
+            arguments: "{\"city\": \"Paris\"}".into(),
+        }];
+        let messages = [ChatMessage::new("user", "Weather?".into()), call];
+        let text = render_chat(TOOL_TEMPLATE, &messages, &tools).unwrap();
+        assert!(
+            text.starts_with("<|im_start|>system\n{\"type\": \"function\""),
+            "{text}"
+        );
+        assert!(text.contains("\"name\": \"get_weather\""), "{text}");
+        // The call's arguments reach the template as an object, as HF templates expect.
+        assert!(
+            text.contains("\"arguments\": {\"city\": \"Paris\"}"),
+            "{text}"
+        );
+        assert!(!text.contains("# Tools"), "{text}");
+        // Without tools, the same template renders the plain conversation.
+        let plain = render_chat(TOOL_TEMPLATE, &messages[..1], &[]).unwrap();
+        assert_eq!(
+            plain,
+            "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 }
