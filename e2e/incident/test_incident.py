@@ -316,3 +316,27 @@ def test_the_incident_deployment_is_refused_everywhere(cluster):
                          json={"prompt": "hi"}, headers={"Authorization": f"Bearer {t['token']}"},
                          timeout=60).status_code, None
     assert s == 400
+
+
+def test_constrained_answers_across_the_transfer(cluster):
+    # The prefill node renders the tools into the prompt; the decode node, which samples,
+    # compiles the grammar from the request's transferred sampling parameters.
+    t = tenant(cluster, "tools-across")
+    weather = {"type": "object", "additionalProperties": False, "required": ["city"],
+               "properties": {"city": {"type": "string", "maxLength": 20}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    status, text = run(cluster, t, {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": tools, "tool_choice": "required", "temperature": 0, "max_tokens": 200})
+    assert status == 200, text
+    call = json.loads(text)["result"]["tool_calls"][0]
+    assert call["name"] == "get_weather", call
+    assert set(call["arguments"]) == {"city"} and len(call["arguments"]["city"]) <= 20, call
+    status, text = run(cluster, t, {
+        "prompt": "Name a city.", "max_tokens": 60, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": weather}})
+    assert status == 200, text
+    answer = json.loads(text)["result"]["response"]
+    assert set(answer) == {"city"} and len(answer["city"]) <= 20, answer
+    wait_pool_full(cluster.prefill)
+    wait_pool_full(cluster.decode)
