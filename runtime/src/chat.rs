@@ -56,6 +56,15 @@ pub struct Tool {
     pub parameters: Value,
 }
 
+impl Tool {
+    /// The tool as OpenAI writes it (`{"type": "function", "function": {...}}`): how the
+    /// prompt shows it, through a template that knows tools or through [`inline_tools`].
+    pub fn signature(&self) -> Value {
+        serde_json::json!({"type": "function", "function": {
+            "name": self.name, "description": self.description, "parameters": self.parameters}})
+    }
+}
+
 /// A call an earlier assistant turn made, as a client sends it back in the history.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -90,10 +99,8 @@ fn tools_section(tools: &[Tool]) -> String {
          signature per line:\n<tools>",
     );
     for t in tools {
-        let signature = serde_json::json!({"type": "function", "function": {
-            "name": t.name, "description": t.description, "parameters": t.parameters}});
         s.push('\n');
-        s.push_str(&signature.to_string());
+        s.push_str(&t.signature().to_string());
     }
     s.push_str(
         "\n</tools>\n\nTo call a function, answer with a JSON object holding its name and its \
@@ -139,6 +146,8 @@ pub fn inline_tools(messages: &[ChatMessage], tools: &[Tool]) -> Vec<ChatMessage
         }
     }
     let skip = usize::from(!out.is_empty() && messages.first().is_some_and(|m| m.role == "system"));
+    // Results of one turn's calls go back together, in one user turn.
+    let mut after_tool = false;
     for m in &messages[skip..] {
         match m.role.as_str() {
             "assistant" if !m.tool_calls.is_empty() => {
@@ -153,11 +162,8 @@ pub fn inline_tools(messages: &[ChatMessage], tools: &[Tool]) -> Vec<ChatMessage
             }
             "tool" => {
                 let block = format!("<tool_response>\n{}\n</tool_response>", tool_result(m));
-                // Results of one turn's calls go back together, in one user turn.
                 match out.last_mut() {
-                    Some(last)
-                        if last.role == "user" && last.content.ends_with("</tool_response>") =>
-                    {
+                    Some(last) if after_tool => {
                         last.content.push('\n');
                         last.content.push_str(&block);
                     }
@@ -166,6 +172,7 @@ pub fn inline_tools(messages: &[ChatMessage], tools: &[Tool]) -> Vec<ChatMessage
             }
             _ => out.push(ChatMessage::new(&m.role, m.content.clone())),
         }
+        after_tool = m.role == "tool";
     }
     out
 }
@@ -219,7 +226,7 @@ mod tests {
             ChatMessage::new("user", "Weather in Paris?".into()),
             assistant,
             result.clone(),
-            result,
+            result.clone(),
         ];
         let plain = inline_tools(&messages, &tools);
         let roles: Vec<&str> = plain.iter().map(|m| m.role.as_str()).collect();
@@ -242,5 +249,14 @@ mod tests {
                 .iter()
                 .all(|m| m.tool_calls.is_empty() && m.tool_call_id.is_none())
         );
+        // Results join the turn of the results before them, never a user's own text that
+        // happens to end like one.
+        let quoted = vec![
+            ChatMessage::new("user", "I wrote </tool_response>".into()),
+            result,
+        ];
+        let plain = inline_tools(&quoted, &[]);
+        assert_eq!(plain.len(), 2, "{plain:?}");
+        assert_eq!(plain[0].content, "I wrote </tool_response>");
     }
 }

@@ -63,6 +63,12 @@ pub fn lark_grammar(tool_use: &ToolUse, compact: impl Fn(&mut Value)) -> Result<
             _ => "tools must not be empty".into(),
         });
     }
+    if tool_use.tools.len() > MAX_TOOLS {
+        return Err(format!(
+            "{} tools; at most {MAX_TOOLS}",
+            tool_use.tools.len()
+        ));
+    }
     let mut g = String::new();
     g.push_str(match tool_use.choice {
         ToolChoice::Auto => "start: TEXT | calls\nTEXT: /[^<](.|\\n)*/\n",
@@ -89,6 +95,13 @@ pub fn lark_grammar(tool_use: &ToolUse, compact: impl Fn(&mut Value)) -> Result<
             return Err(format!("{:?} is not a valid function name", t.name));
         }
         let mut schema = t.parameters.clone();
+        // The parser finds a call's end where its arguments object closes.
+        if schema.get("type").is_none_or(|t| t != "object") {
+            return Err(format!(
+                "{}: the parameters must be a schema of type \"object\"",
+                t.name
+            ));
+        }
         if schema.get("x-guidance").is_some() {
             return Err(format!(
                 "{}: x-guidance is not accepted in a schema",
@@ -374,6 +387,36 @@ mod tests {
         }
         streamed.extend(p.finish());
         assert_eq!(streamed, whole);
+    }
+
+    #[test]
+    fn the_grammar_refuses_what_the_parser_could_not_read_back() {
+        let tool = |name: &str, parameters: Value| Tool {
+            name: name.into(),
+            description: String::new(),
+            parameters,
+        };
+        let tool_use = |tools: Vec<Tool>| ToolUse {
+            tools,
+            choice: ToolChoice::Required,
+            parallel: true,
+        };
+        let object = serde_json::json!({"type": "object"});
+        assert!(lark_grammar(&tool_use(vec![tool("f", object.clone())]), |_| {}).is_ok());
+        // Arguments that are not an object would have no end the parser can find.
+        let e = lark_grammar(
+            &tool_use(vec![tool("f", serde_json::json!({"type": "string"}))]),
+            |_| {},
+        );
+        assert!(e.unwrap_err().contains("object"));
+        let many = (0..=MAX_TOOLS)
+            .map(|i| tool(&format!("f{i}"), object.clone()))
+            .collect();
+        assert!(
+            lark_grammar(&tool_use(many), |_| {})
+                .unwrap_err()
+                .contains("at most")
+        );
     }
 
     #[test]

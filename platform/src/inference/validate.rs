@@ -6,8 +6,7 @@
 //! is range-checked before any arithmetic; nothing is clamped or dropped silently. Fields that
 //! are not implemented yet are refused here, by name, so no surface can accept one.
 
-use bulkhead_runtime::chat::ChatMessage;
-use bulkhead_runtime::chat::{Tool, valid_tool_name};
+use bulkhead_runtime::chat::{ChatMessage, Tool, valid_tool_name};
 use bulkhead_runtime::constraint::{Constraint, MAX_SCHEMA_BYTES};
 use bulkhead_runtime::engine::PromptInput;
 use bulkhead_runtime::sampling::SamplingParams;
@@ -374,12 +373,12 @@ fn openai_json_schema(wrapper: &serde_json::Value) -> Result<serde_json::Value, 
         };
         return fail(&format!("{FIELD}.{k}"), why);
     }
-    let name_ok = w.get("name").and_then(|n| n.as_str()).is_some_and(|n| {
-        (1..=64).contains(&n.len())
-            && n.chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-    });
-    if !name_ok {
+    // OpenAI's rule for a schema's name is its rule for a function's.
+    if !w
+        .get("name")
+        .and_then(|n| n.as_str())
+        .is_some_and(valid_tool_name)
+    {
         return fail(
             &format!("{FIELD}.name"),
             "is required: 1 to 64 of a-z, A-Z, 0-9, _ and -",

@@ -228,13 +228,7 @@ fn render_chat(
         &inlined
     };
     let messages: Vec<serde_json::Value> = messages.iter().map(template_message).collect();
-    let tools: Vec<serde_json::Value> = tools
-        .iter()
-        .map(|t| {
-            serde_json::json!({"type": "function", "function": {
-                "name": t.name, "description": t.description, "parameters": t.parameters}})
-        })
-        .collect();
+    let tools: Vec<serde_json::Value> = tools.iter().map(Tool::signature).collect();
     tmpl.render(minijinja::context! {
         messages => minijinja::Value::from(minijinja::value::Serde(&messages)),
         tools => if native && !tools.is_empty() {
