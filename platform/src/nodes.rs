@@ -472,6 +472,7 @@ fn parse_frame(frame: &[u8]) -> Frame {
             prompt_tokens: 0,
             completion_tokens: 0,
             total_tokens: 0,
+            cached_tokens: 0,
         });
         let finish =
             serde_json::from_value(v["finish_reason"].clone()).unwrap_or(FinishReason::Stop);

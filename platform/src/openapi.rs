@@ -254,6 +254,7 @@ mod tests {
             max_output_tokens: if task == TASK_TEXT_GENERATION { 64 } else { 0 },
             visibility: Visibility::Public,
             visibility_reason: None,
+            prefix_cache: true,
             allow: vec![],
             properties: json!({}),
             created_at: 0,

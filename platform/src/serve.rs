@@ -121,6 +121,7 @@ async fn seed_catalog(store: &Store, node: &Node) -> anyhow::Result<()> {
                 max_output_tokens: BUNDLED_MAX_OUTPUT_TOKENS.min(window),
                 visibility: Visibility::Public,
                 visibility_reason: None,
+                prefix_cache: true,
                 allow: vec![],
                 properties: serde_json::json!({}),
                 created_at: 0,
@@ -140,6 +141,7 @@ async fn seed_catalog(store: &Store, node: &Node) -> anyhow::Result<()> {
                 max_output_tokens: 0,
                 visibility: Visibility::Public,
                 visibility_reason: None,
+                prefix_cache: true,
                 allow: vec![],
                 properties: serde_json::json!({
                     "output_dimensions": e.dims.to_string(),

@@ -68,8 +68,15 @@ pub struct Entry {
     pub input_tokens: i64,
     #[serde(rename = "o")]
     pub output_tokens: i64,
+    /// Input tokens served from the prefix cache (part of `input_tokens`).
+    #[serde(rename = "c", default, skip_serializing_if = "is_zero")]
+    pub cached_input_tokens: i64,
     #[serde(rename = "e", default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+fn is_zero(n: &i64) -> bool {
+    *n == 0
 }
 
 impl Entry {
@@ -87,6 +94,7 @@ impl Entry {
             requests: 1,
             input_tokens: self.input_tokens.max(0),
             output_tokens: self.output_tokens.max(0),
+            cached_input_tokens: self.cached_input_tokens.max(0),
             ..UsageCounts::default()
         };
         if let Some(code) = &self.error {

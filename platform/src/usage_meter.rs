@@ -32,6 +32,25 @@ struct Pending {
     last_seq: u64,
 }
 
+/// The tokens of one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tokens {
+    pub input: i64,
+    /// Input tokens whose K/V came from the prefix cache.
+    pub cached_input: i64,
+    pub output: i64,
+}
+
+impl Tokens {
+    pub fn new(input: i64, output: i64) -> Tokens {
+        Tokens {
+            input,
+            cached_input: 0,
+            output,
+        }
+    }
+}
+
 /// This replica's usage meter.
 #[derive(Default)]
 pub struct UsageMeter {
@@ -87,8 +106,7 @@ impl UsageMeter {
         &self,
         tenant: &str,
         model: &str,
-        input_tokens: i64,
-        output_tokens: i64,
+        tokens: Tokens,
         error: Option<&str>,
     ) -> impl Future<Output = Result<(), JournalError>> + Send + 'static {
         let mut entry = Entry {
@@ -96,8 +114,10 @@ impl UsageMeter {
             tenant_id: tenant.to_string(),
             model: model.to_string(),
             day: utc_day(now_ms()),
-            input_tokens: input_tokens.max(0),
-            output_tokens: output_tokens.max(0),
+            input_tokens: tokens.input.max(0),
+            output_tokens: tokens.output.max(0),
+            // Part of the input: never more than it.
+            cached_input_tokens: tokens.cached_input.clamp(0, tokens.input.max(0)),
             error: error.map(str::to_string),
         };
         let durable = {

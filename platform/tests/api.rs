@@ -417,6 +417,7 @@ async fn publishing_a_model_whose_node_pool_is_too_small_fails_with_409_and_numb
             max_output_tokens: 256,
             visibility: bulkhead_platform::store::Visibility::Private,
             visibility_reason: Some("staging".into()),
+            prefix_cache: true,
             allow: vec![],
             properties: json!({}),
             created_at: 0,
@@ -1083,4 +1084,160 @@ async fn the_admin_ui_is_served_at_admin() {
         .unwrap();
     assert_eq!(r.status(), 401);
     srv.stop().await;
+}
+
+/// The prefix cache through both surfaces: a tenant's second request with the same long
+/// system prompt reports its reused whole pages in `usage.prompt_tokens_details` and in its
+/// usage row; another tenant reuses nothing of it; a salt splits a tenant's cache; the
+/// catalog's switch turns it off; and a bad salt or an empty patch is a 400 naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prefix_cache_is_per_tenant_reported_and_switchable() {
+    let srv = Server::start("prefix-cache").await;
+    let (a, _, tok_a) = srv.tenant("cache-a").await;
+    let (b, _, tok_b) = srv.tenant("cache-b").await;
+    let system = "You answer questions about the harbour timetable. Ferries leave at seven, \
+        nine, eleven, one, three and five; the last boat back is at six. Tickets are sold on \
+        board; bicycles travel free; dogs must stay on a lead on the upper deck. "
+        .repeat(2);
+    let openai = |acct: &str, tok: &str, user: &str, salt: Option<&str>| {
+        let mut body = json!({
+            "model": TEXT,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "max_tokens": 2,
+            "temperature": 0,
+        });
+        if let Some(s) = salt {
+            body["cache_salt"] = json!(s);
+        }
+        srv.http
+            .post(srv.url(&format!(
+                "/client/v4/accounts/{acct}/ai/v1/chat/completions"
+            )))
+            .bearer_auth(tok)
+            .json(&body)
+            .send()
+    };
+    let cached = |body: &Value| body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+
+    let (s, first, _) = json_of(
+        openai(&a, &tok_a, "When is the first ferry?", None)
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(s, 200, "{first}");
+    assert_eq!(cached(&first), Some(0), "{first}");
+    let (s, second, _) = json_of(
+        openai(&a, &tok_a, "Can I bring my bike?", None)
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(s, 200, "{second}");
+    let reused = cached(&second).unwrap();
+    assert!(
+        reused >= 64 && reused % 16 == 0,
+        "whole pages reused: {second}"
+    );
+    assert!(reused < second["usage"]["prompt_tokens"].as_u64().unwrap());
+    // Workers AI reports it in the same shape.
+    let (s, wai, _) = json_of(
+        srv.run(
+            &a,
+            &tok_a,
+            TEXT,
+            json!({"messages": [{"role": "system", "content": system},
+                                {"role": "user", "content": "Is there a boat at noon?"}],
+                   "max_tokens": 2}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(s, 200, "{wai}");
+    assert_eq!(
+        wai["result"]["usage"]["prompt_tokens_details"]["cached_tokens"], reused,
+        "{wai}"
+    );
+
+    // Another tenant, the very same request: nothing reused.
+    let (_, other, _) = json_of(
+        openai(&b, &tok_b, "Can I bring my bike?", None)
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(cached(&other), Some(0), "{other}");
+    // A salt: a cold start, then its own pages.
+    let (_, salted, _) = json_of(openai(&a, &tok_a, "Dogs?", Some("s")).await.unwrap()).await;
+    assert_eq!(cached(&salted), Some(0), "{salted}");
+    let (_, salted, _) = json_of(openai(&a, &tok_a, "Cats?", Some("s")).await.unwrap()).await;
+    assert_eq!(cached(&salted), Some(reused), "{salted}");
+    let (s, bad, _) = json_of(openai(&a, &tok_a, "x", Some("")).await.unwrap()).await;
+    assert_eq!(s, 400, "{bad}");
+    assert!(bad.to_string().contains("cache_salt"), "{bad}");
+
+    // The operator's switch: off, nothing reused; patches name what they lack.
+    let path = format!("/admin/v1/models/{}", TEXT.replace('/', "%2F"));
+    let (s, m) = srv
+        .admin_call(
+            reqwest::Method::PATCH,
+            &path,
+            Some(json!({"prefix_cache": false})),
+        )
+        .await;
+    assert_eq!(s, 200, "{m}");
+    assert_eq!(m["result"]["prefix_cache"], false, "{m}");
+    assert_eq!(
+        m["result"]["visibility"], "public",
+        "visibility unchanged: {m}"
+    );
+    let (_, off, _) = json_of(
+        openai(&a, &tok_a, "Can I bring my bike?", None)
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(cached(&off), Some(0), "{off}");
+    for (patch, field) in [
+        (json!({}), "visibility"),
+        (json!({"reason": "x"}), "reason"),
+    ] {
+        let (s, e) = srv
+            .admin_call(reqwest::Method::PATCH, &path, Some(patch))
+            .await;
+        assert_eq!(s, 400, "{e}");
+        assert!(e.to_string().contains(field), "{e}");
+    }
+    let (s, _) = srv
+        .admin_call(
+            reqwest::Method::PATCH,
+            &path,
+            Some(json!({"prefix_cache": true})),
+        )
+        .await;
+    assert_eq!(s, 200);
+
+    // The usage row counts the cached input tokens apart (metered in the background).
+    let mut row = Value::Null;
+    for _ in 0..100 {
+        let (_, body) = srv
+            .admin_call(
+                reqwest::Method::GET,
+                &format!("/admin/v1/usage?tenant={a}"),
+                None,
+            )
+            .await;
+        if let Some(r) = body["result"].as_array().and_then(|rows| rows.first())
+            && r["requests"].as_i64() >= Some(7)
+        {
+            row = r.clone();
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let cached_in = row["cached_input_tokens"]
+        .as_i64()
+        .expect("a usage row within 5 s");
+    assert_eq!(cached_in as u64, 3 * reused, "{row}");
+    assert!(cached_in < row["input_tokens"].as_i64().unwrap(), "{row}");
 }

@@ -383,6 +383,14 @@ async fn transfer_faults_end_in_clean_errors_with_pools_whole() {
 
     // Healthy: served end to end, streaming and not; both pools whole afterwards.
     expect_ok(p, "acme").await;
+    // The same prompt again: the prefill node reuses its cached pages (the transfer still
+    // sends the whole prompt's KV), and the decode node's usage says how many.
+    let (s, body) = generate(p, "acme", &prompt("ok"), false).await;
+    assert_eq!(s, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    assert!(cached.is_some_and(|c| c > 0 && c % 16 == 0), "{v}");
+    assert!(metric(&metrics(p).await, "bulkhead_prefix_cache_hits_total") > 0);
     let (s, body) = generate(p, "acme", &prompt("stream"), true).await;
     assert_eq!(s, 200, "{body}");
     assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
@@ -394,7 +402,7 @@ async fn transfer_faults_end_in_clean_errors_with_pools_whole() {
             &m,
             "bulkhead_kv_transfers_committed_total{side=\"receive\"}"
         ),
-        2
+        3
     );
 
     // Rejected at prefill admission: the original error, and decode never hears of it.
@@ -621,6 +629,7 @@ impl Rogue {
                 max_tokens: 4,
                 ..SamplingParams::default()
             },
+            cached_tokens: 0,
         }
     }
 

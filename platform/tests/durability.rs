@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use bulkhead_platform::config::ServeConfig;
 use bulkhead_platform::store::Store;
 use bulkhead_platform::usage_journal::{SyncMode, UsageJournal};
-use bulkhead_platform::usage_meter::UsageMeter;
+use bulkhead_platform::usage_meter::{Tokens, UsageMeter};
 use common::server::Server;
 use serde_json::{Value, json};
 
@@ -511,11 +511,17 @@ async fn a_journal_replays_what_the_database_lacks_exactly_once() {
     let journal = UsageJournal::open(&dir, SyncMode::Fdatasync).unwrap();
     let id = journal.id().to_string();
     let meter = UsageMeter::with_journal(journal, 0).unwrap();
-    meter.record("t", EMBED, 5, 0, None).await.unwrap();
-    meter.flush(&store).await.unwrap();
-    meter.record("t", EMBED, 5, 0, None).await.unwrap();
     meter
-        .record("t", EMBED, 5, 0, Some("bad_input"))
+        .record("t", EMBED, Tokens::new(5, 0), None)
+        .await
+        .unwrap();
+    meter.flush(&store).await.unwrap();
+    meter
+        .record("t", EMBED, Tokens::new(5, 0), None)
+        .await
+        .unwrap();
+    meter
+        .record("t", EMBED, Tokens::new(5, 0), Some("bad_input"))
         .await
         .unwrap();
     meter.close();
@@ -553,8 +559,14 @@ async fn a_journal_replays_what_the_database_lacks_exactly_once() {
     let journal = UsageJournal::open(&dir, SyncMode::Fdatasync).unwrap();
     let watermark = store.journal_watermark(&id).await.unwrap();
     let meter = UsageMeter::with_journal(journal, watermark).unwrap();
-    meter.record("t", EMBED, 5, 0, None).await.unwrap();
-    meter.record("t", EMBED, 5, 0, None).await.unwrap();
+    meter
+        .record("t", EMBED, Tokens::new(5, 0), None)
+        .await
+        .unwrap();
+    meter
+        .record("t", EMBED, Tokens::new(5, 0), None)
+        .await
+        .unwrap();
     let before_deletion = segments(&dir);
     assert!(!before_deletion.is_empty());
     meter.flush(&store).await.unwrap();

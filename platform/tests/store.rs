@@ -144,6 +144,7 @@ fn model(name: &str) -> ModelRecord {
         max_output_tokens: 256,
         visibility: Visibility::Public,
         visibility_reason: None,
+        prefix_cache: true,
         allow: vec![],
         properties: json!({"quant": "q4_1", "beta": false}),
         created_at: 0,

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bulkhead_runtime::engine::{GenEvent, GenerateRequest, PromptInput};
+use bulkhead_runtime::engine::{GenEvent, GenerateRequest, PrefixCaching, PromptInput};
 use bulkhead_runtime::models::fetch::{default_cache_dir, fetch_all};
 use bulkhead_runtime::node::{EmbeddingModelConfig, Node, NodeConfig, Role};
 use bulkhead_runtime::sampling::SamplingParams;
@@ -168,6 +168,8 @@ fn main() {
                 max_tokens: 1,
                 ..SamplingParams::default()
             },
+            // Every round prefills the whole prompt, as the transfer it times assumes.
+            prefix_cache: PrefixCaching::Off,
         };
         let mut sub = tokio::task::spawn_blocking(move || engine.submit_prefill(req))
             .await

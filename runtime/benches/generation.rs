@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use bulkhead_runtime::constraint::Constraint;
 use bulkhead_runtime::engine::{
-    Engine, EngineConfig, GenEvent, GenerateRequest, PromptInput, TextModel,
+    Engine, EngineConfig, GenEvent, GenerateRequest, PrefixCaching, PromptInput, TextModel,
 };
 use bulkhead_runtime::kv::KvPool;
 use bulkhead_runtime::metrics::NodeMetrics;
@@ -55,6 +55,8 @@ fn run_streams(
                         constraint: constraint.cloned(),
                         ..Default::default()
                     },
+                    // Cold prefill, as the peer's figures are: nothing reused between runs.
+                    prefix_cache: PrefixCaching::Off,
                 })
                 .expect("admitted")
         })

@@ -29,13 +29,7 @@ fn main() -> anyhow::Result<()> {
     let prompt = tok.encode(&text)?;
     eprintln!("prompt {:?}\nids {:?}", text, prompt);
     let pool = KvPool::with_capacity_tokens(model.cfg.kv_layout(), 16, 2048);
-    let mut seq = pool.open(
-        Owner {
-            tenant: "cli".into(),
-            request: 1,
-        },
-        pool.try_reserve(prompt.len() + 64)?,
-    );
+    let mut seq = pool.open(Owner::new("cli", 1), pool.try_reserve(prompt.len() + 64)?);
     let mut next: Vec<u32> = prompt.clone();
     let mut out = Vec::new();
     for _ in 0..64 {

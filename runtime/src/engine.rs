@@ -20,7 +20,7 @@ use crate::admission::check_generation;
 use crate::chat::ChatMessage;
 use crate::constraint::{ConstrainedSequence, GrammarCompiler};
 use crate::error::RuntimeError;
-use crate::kv::{KvPool, Owner, PageRef, SeqKv};
+use crate::kv::{BlockHash, KvPool, Owner, PageRef, SeqKv, prefix_hashes};
 use crate::metrics::{NodeMetrics, label};
 use crate::models::llama::{LlamaModel, StepSegment};
 use crate::models::tokenizer::TextTokenizer;
@@ -102,6 +102,18 @@ pub struct GenerateRequest {
     pub tenant: String,
     pub input: PromptInput,
     pub params: SamplingParams,
+    pub prefix_cache: PrefixCaching,
+}
+
+/// Whether a request reuses and keeps cached prompt pages, and in which namespace: the
+/// tenant's, split by the client's salt (vLLM's `cache_salt`). The tenant comes from the
+/// authenticated caller, never from the salt.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum PrefixCaching {
+    #[default]
+    On,
+    Salted(String),
+    Off,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -109,6 +121,35 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// Prompt tokens whose K/V came from the prefix cache (part of `prompt_tokens`); on the
+    /// wire in OpenAI's shape, `prompt_tokens_details.cached_tokens`.
+    #[serde(
+        default,
+        rename = "prompt_tokens_details",
+        with = "prompt_tokens_details"
+    )]
+    pub cached_tokens: usize,
+}
+
+mod prompt_tokens_details {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize, Deserialize)]
+    struct Details {
+        #[serde(default)]
+        cached_tokens: usize,
+    }
+
+    pub fn serialize<S: Serializer>(cached_tokens: &usize, s: S) -> Result<S::Ok, S::Error> {
+        Details {
+            cached_tokens: *cached_tokens,
+        }
+        .serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
+        Ok(Details::deserialize(d)?.cached_tokens)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -129,6 +170,8 @@ pub struct PrefillHandoff {
     pub params: SamplingParams,
     /// Logits at the last prompt position: the decode node samples the first token from them.
     pub logits: Vec<f32>,
+    /// Prompt tokens this node found in its prefix cache (reported in the usage).
+    pub cached_tokens: usize,
 }
 
 impl PrefillHandoff {
@@ -213,12 +256,18 @@ enum JobMode {
     PrefillOnly,
     /// The prompt's KV is already in this pool, received from a prefill node, with the logits
     /// of the last prompt position (decode role). Its pages are reserved and allocated.
-    Transferred { kv: SeqKv, logits: Vec<f32> },
+    Transferred {
+        kv: SeqKv,
+        logits: Vec<f32>,
+        cached_tokens: usize,
+    },
 }
 
 struct Job {
     owner: Owner,
     prompt: Vec<u32>,
+    /// Keys of the prompt's full pages, when the request uses the prefix cache.
+    prefix: Vec<BlockHash>,
     params: SamplingParams,
     /// `params.constraint` compiled (at submission, so a bad schema is refused at once).
     constraint: Option<ConstrainedSequence>,
@@ -239,6 +288,9 @@ struct Running {
     prefill_only: bool,
     kv: SeqKv,
     prompt: Vec<u32>,
+    /// Keys of the prompt's full pages, published once the prompt is prefilled.
+    prefix: Vec<BlockHash>,
+    cached_tokens: usize,
     prefilled: usize,
     generated: Vec<u32>,
     params: SamplingParams,
@@ -393,10 +445,7 @@ impl Engine {
 
     /// A fresh owner for a sequence of `tenant` on this node.
     pub fn new_owner(&self, tenant: &str) -> Owner {
-        Owner {
-            tenant: tenant.into(),
-            request: self.next_request.fetch_add(1, Ordering::Relaxed),
-        }
+        Owner::new(tenant, self.next_request.fetch_add(1, Ordering::Relaxed))
     }
 
     /// Queue a sequence whose prompt KV was received from a prefill node (decode role). `kv`
@@ -408,6 +457,7 @@ impl Engine {
         params: SamplingParams,
         mut kv: SeqKv,
         logits: Vec<f32>,
+        cached_tokens: usize,
     ) -> Result<Submission, RuntimeError> {
         if kv.len() != prompt.len() {
             self.pool.release(&mut kv);
@@ -431,11 +481,16 @@ impl Engine {
         let job = Job {
             owner: owner.clone(),
             prompt,
+            prefix: Vec::new(),
             params,
             constraint,
             events: tx,
             deadline: Instant::now() + Duration::from_millis(self.cfg.queue_timeout_ms),
-            mode: JobMode::Transferred { kv, logits },
+            mode: JobMode::Transferred {
+                kv,
+                logits,
+                cached_tokens: cached_tokens.min(prompt_tokens),
+            },
         };
         if let Err(mpsc::SendError(job)) = self.jobs.send(job) {
             self.queued.fetch_sub(1, Ordering::Relaxed);
@@ -449,6 +504,18 @@ impl Engine {
             prompt_tokens,
             events: rx,
         })
+    }
+
+    /// The keys of every full page of `prompt` in `owner`'s cache namespace.
+    fn prefix_keys(&self, owner: &Owner, prompt: &[u32]) -> Vec<BlockHash> {
+        let page = self.pool.page_size();
+        prefix_hashes(
+            &self.model.name,
+            &owner.namespace(),
+            prompt,
+            page,
+            prompt.len() / page,
+        )
     }
 
     /// The request's structured-output constraint, compiled for this model.
@@ -489,15 +556,22 @@ impl Engine {
             });
         }
         let request = self.next_request.fetch_add(1, Ordering::Relaxed);
+        let mut owner = Owner::new(req.tenant, request);
+        let prefix = match req.prefix_cache {
+            PrefixCaching::Off => Vec::new(),
+            PrefixCaching::On => self.prefix_keys(&owner, &prompt),
+            PrefixCaching::Salted(salt) => {
+                owner.cache_salt = Some(salt.into());
+                self.prefix_keys(&owner, &prompt)
+            }
+        };
         let (tx, rx) = unbounded_channel();
         let prompt_tokens = prompt.len();
         self.queued.fetch_add(1, Ordering::Relaxed);
         let job = Job {
-            owner: Owner {
-                tenant: req.tenant.into(),
-                request,
-            },
+            owner,
             prompt,
+            prefix,
             params,
             constraint,
             events: tx,
@@ -612,7 +686,16 @@ impl Worker {
                 JobMode::PrefillOnly => Some(job.prompt.len()),
                 JobMode::Transferred { .. } => None,
             };
-            let reservation = match need.map(|n| self.pool.try_reserve(n)) {
+            // Reuse cached pages up to the last prompt token, which is always computed: its
+            // logits give the first token.
+            let reusable =
+                (job.prompt.len().saturating_sub(1) / self.pool.page_size()).min(job.prefix.len());
+            let lookup = need.map(|n| {
+                let namespace = job.owner.namespace();
+                self.pool
+                    .lookup_and_reserve(&namespace, &job.prefix[..reusable], n)
+            });
+            let reservation = match lookup {
                 Some(Err(_)) => break,
                 Some(Ok(r)) => Some(r),
                 None => None,
@@ -628,18 +711,25 @@ impl Worker {
     /// Start an admitted job. The work that depends on what the client sent (its sampler,
     /// stop sequences, a received sequence's first token) runs inside a panic guard, as a
     /// step does: a panic there fails this request alone and the engine goes on.
-    fn start_sequence(&mut self, job: Job, reservation: Option<crate::kv::Reservation>) {
+    fn start_sequence(&mut self, job: Job, hit: Option<crate::kv::PrefixHit>) {
         let _ = job.events.send(GenEvent::Admitted {
             prompt_tokens: job.prompt.len(),
         });
-        let (kv, prefilled, logits, prefill_only) = match (job.mode, reservation) {
-            (JobMode::Transferred { kv, logits }, _) => (kv, job.prompt.len(), Some(logits), false),
-            (mode, Some(reservation)) => (
-                self.pool.open(job.owner.clone(), reservation),
-                0,
-                None,
-                matches!(mode, JobMode::PrefillOnly),
-            ),
+        let (kv, prefilled, cached_tokens, logits, prefill_only) = match (job.mode, hit) {
+            (
+                JobMode::Transferred {
+                    kv,
+                    logits,
+                    cached_tokens,
+                },
+                _,
+            ) => (kv, job.prompt.len(), cached_tokens, Some(logits), false),
+            (mode, Some(hit)) => {
+                let kv = self.pool.open_with_prefix(job.owner.clone(), hit);
+                let cached = kv.len();
+                let prefill_only = matches!(mode, JobMode::PrefillOnly);
+                (kv, cached, cached, None, prefill_only)
+            }
             (_, None) => unreachable!("only received jobs come without a reservation"),
         };
         // Outside the guard the sequence owns nothing that a panic could leak: its pages are
@@ -670,6 +760,8 @@ impl Worker {
             owner: job.owner,
             prefill_only,
             kv,
+            prefix: job.prefix,
+            cached_tokens,
             prefilled,
             generated,
             sampler,
@@ -747,11 +839,22 @@ impl Worker {
             .running
             .get_or_create(&l)
             .set(self.running.len() as i64);
-        let counter = self.metrics.isolation_violations.get_or_create(&l);
-        let seen = counter.get();
-        let now = self.pool.isolation_violations();
-        if now > seen {
-            counter.inc_by(now - seen);
+        self.metrics
+            .kv_pages_cached
+            .get_or_create(&l)
+            .set(s.pages_cached as i64);
+        // The pool counts; the metrics catch up with it.
+        for (family, now) in [
+            (&self.metrics.isolation_violations, s.isolation_violations),
+            (&self.metrics.prefix_cache_hits, s.cache_hits),
+            (&self.metrics.prefix_cache_misses, s.cache_misses),
+            (&self.metrics.prefix_cache_evictions, s.cache_evictions),
+        ] {
+            let counter = family.get_or_create(&l);
+            let seen = counter.get();
+            if now > seen {
+                counter.inc_by(now - seen);
+            }
         }
     }
 
@@ -823,6 +926,13 @@ impl Worker {
                 Ok(logits) => {
                     if let Some((_, b)) = range {
                         r.prefilled = *b;
+                        // The prompt is in: its full pages become reusable by its namespace.
+                        if r.prefilled == r.prompt.len()
+                            && let Err(e) = self.pool.publish_prefix(&r.kv, &r.prefix)
+                        {
+                            finished.push((*i, Outcome::Failed(e)));
+                            continue;
+                        }
                     }
                     match logits {
                         None => {}
@@ -868,6 +978,7 @@ impl Worker {
                         prompt_tokens: r.prompt.len(),
                         completion_tokens: r.generated.len(),
                         total_tokens: r.prompt.len() + r.generated.len(),
+                        cached_tokens: r.cached_tokens,
                     },
                     finish_reason,
                 }
@@ -884,6 +995,7 @@ impl Worker {
                         prompt: std::mem::take(&mut r.prompt),
                         params: r.params.clone(),
                         logits,
+                        cached_tokens: r.cached_tokens,
                     })),
                     Err(e) => GenEvent::Error(e),
                 }
@@ -1026,6 +1138,7 @@ mod tests {
                 stop,
                 ..SamplingParams::default()
             },
+            prefix_cache: PrefixCaching::On,
         }
     }
 

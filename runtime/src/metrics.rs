@@ -35,6 +35,10 @@ pub struct NodeMetrics {
     pub kv_pages_total: Family<ModelLabel, Gauge>,
     pub kv_pages_free: Family<ModelLabel, Gauge>,
     pub kv_pages_reserved: Family<ModelLabel, Gauge>,
+    pub kv_pages_cached: Family<ModelLabel, Gauge>,
+    pub prefix_cache_hits: Family<ModelLabel, Counter>,
+    pub prefix_cache_misses: Family<ModelLabel, Counter>,
+    pub prefix_cache_evictions: Family<ModelLabel, Counter>,
     pub queue_depth: Family<ModelLabel, Gauge>,
     pub running: Family<ModelLabel, Gauge>,
     pub admissions_rejected: Family<RejectLabel, Counter>,
@@ -71,6 +75,10 @@ impl NodeMetrics {
             kv_pages_total: Family::default(),
             kv_pages_free: Family::default(),
             kv_pages_reserved: Family::default(),
+            kv_pages_cached: Family::default(),
+            prefix_cache_hits: Family::default(),
+            prefix_cache_misses: Family::default(),
+            prefix_cache_evictions: Family::default(),
             queue_depth: Family::default(),
             running: Family::default(),
             admissions_rejected: Family::default(),
@@ -96,8 +104,28 @@ impl NodeMetrics {
         );
         registry.register(
             "kv_pages_free",
-            "KV pool pages on the free list",
+            "KV pool pages no sequence holds (free, or cached and evictable)",
             m.kv_pages_free.clone(),
+        );
+        registry.register(
+            "kv_pages_cached",
+            "KV pages kept by the prefix cache, held or not",
+            m.kv_pages_cached.clone(),
+        );
+        registry.register(
+            "prefix_cache_hits",
+            "Prompt pages found in the prefix cache of the request's namespace",
+            m.prefix_cache_hits.clone(),
+        );
+        registry.register(
+            "prefix_cache_misses",
+            "Prompt pages looked up in the prefix cache and not found",
+            m.prefix_cache_misses.clone(),
+        );
+        registry.register(
+            "prefix_cache_evictions",
+            "Cached pages evicted (poisoned) to make room",
+            m.prefix_cache_evictions.clone(),
         );
         registry.register(
             "kv_pages_reserved",

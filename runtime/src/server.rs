@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::chat::ChatMessage;
-use crate::engine::{FinishReason, GenEvent, GenerateRequest, PromptInput, Usage};
+use crate::engine::{FinishReason, GenEvent, GenerateRequest, PrefixCaching, PromptInput, Usage};
 use crate::error::RuntimeError;
 use crate::kv::PoolStats;
 use crate::node::{Node, Role};
@@ -42,8 +42,18 @@ pub struct GenerateBody {
     pub raw: bool,
     #[serde(default)]
     pub stream: bool,
+    /// Reuse and keep cached prompt pages (the catalog's per-model switch).
+    #[serde(default = "default_true")]
+    pub prefix_cache: bool,
+    /// Splits the tenant's prefix cache (the client's `cache_salt`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
     #[serde(flatten)]
     pub params: SamplingParams,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -247,6 +257,11 @@ async fn generate_parsed(node: Arc<Node>, body: &[u8]) -> Result<Response, ApiEr
         tenant: body.tenant,
         input,
         params: body.params,
+        prefix_cache: match (body.prefix_cache, body.cache_salt) {
+            (false, _) => PrefixCaching::Off,
+            (true, None) => PrefixCaching::On,
+            (true, Some(salt)) => PrefixCaching::Salted(salt),
+        },
     };
     // Tokenizing a long prompt is CPU work: keep it off the async workers.
     let e2 = engine.clone();

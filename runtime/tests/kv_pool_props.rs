@@ -1,10 +1,12 @@
 //! Property tests of the KV pool: random interleavings of allocate / append / read / hold /
-//! release / cancel across many sequences and tenants.
+//! release / cancel across many sequences and tenants, and of the prefix cache's admit (with
+//! hits) / prefill and publish / decode / read / release, where evictions happen whenever the
+//! free list runs dry.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use bulkhead_runtime::error::RuntimeError;
-use bulkhead_runtime::kv::{KvLayout, KvPool, Owner, PageRef, SeqKv};
+use bulkhead_runtime::kv::{BlockHash, KvLayout, KvPool, Owner, PageRef, SeqKv, prefix_hashes};
 use proptest::prelude::*;
 
 const LAYOUT: KvLayout = KvLayout {
@@ -84,7 +86,7 @@ proptest! {
             match op {
                 Op::Open { tenant, tokens } => {
                     if let Ok(r) = pool.try_reserve(tokens) {
-                        let owner = Owner { tenant: format!("t{tenant}").into(), request: next_request };
+                        let owner = Owner::new(format!("t{tenant}"), next_request);
                         next_request += 1;
                         live.push(Live { kv: pool.open(owner, r), limit: tokens });
                     }
@@ -169,5 +171,179 @@ proptest! {
         for page in 0..PAGES as u32 {
             prop_assert!(pool.page_is_poisoned(page), "page {} not poisoned after release", page);
         }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum CacheOp {
+    /// A request of `tenant` whose prompt is the first `len` tokens of prompt `prompt` (so
+    /// prompts of one number share prefixes), with room for `extra` generated tokens.
+    Admit {
+        tenant: u8,
+        prompt: u8,
+        len: usize,
+        extra: usize,
+    },
+    /// Write the rest of the prompt, then publish its full pages.
+    Prefill {
+        seq: usize,
+    },
+    Decode {
+        seq: usize,
+        n: usize,
+    },
+    Read {
+        seq: usize,
+    },
+    Release {
+        seq: usize,
+    },
+}
+
+fn cache_op() -> impl Strategy<Value = CacheOp> {
+    prop_oneof![
+        3 => (0u8..3, 0u8..3, 1usize..24, 0usize..8).prop_map(|(tenant, prompt, len, extra)| {
+            CacheOp::Admit { tenant, prompt, len, extra }
+        }),
+        3 => (0usize..6).prop_map(|seq| CacheOp::Prefill { seq }),
+        2 => (0usize..6, 1usize..5).prop_map(|(seq, n)| CacheOp::Decode { seq, n }),
+        2 => (0usize..6).prop_map(|seq| CacheOp::Read { seq }),
+        2 => (0usize..6).prop_map(|seq| CacheOp::Release { seq }),
+    ]
+}
+
+/// The K/V a tenant's sequence holds at a position: a function of the tenant, the token and
+/// the position only, so a reused page holds what recomputing it would write, and a page of
+/// another tenant reads as wrong.
+fn cache_value(tenant: u8, token: u32, pos: usize, layer: usize, kind: usize, lane: usize) -> f32 {
+    let mut x = (tenant as u64) << 56
+        ^ (token as u64) << 24
+        ^ (pos as u64) << 8
+        ^ ((layer * 2 + kind) * 8 + lane) as u64;
+    x = (x ^ (x >> 31)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^= x >> 29;
+    // A finite positive float from 30 bits.
+    f32::from_bits((x & 0x3FFF_FFFF) as u32)
+}
+
+struct CachedSeq {
+    tenant: u8,
+    kv: SeqKv,
+    /// The prompt, then the generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    keys: Vec<BlockHash>,
+    limit: usize,
+}
+
+fn write_tokens(pool: &KvPool, s: &mut CachedSeq, upto: usize) -> Result<(), RuntimeError> {
+    let start = s.kv.len();
+    if upto <= start {
+        return Ok(());
+    }
+    pool.grow(&mut s.kv, upto - start)?;
+    for layer in 0..LAYOUT.layers {
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for pos in start..upto {
+            for lane in 0..LAYOUT.kv_dim {
+                k.push(cache_value(s.tenant, s.tokens[pos], pos, layer, 0, lane));
+                v.push(cache_value(s.tenant, s.tokens[pos], pos, layer, 1, lane));
+            }
+        }
+        pool.write(&s.kv, layer, start, &k, &v)?;
+    }
+    pool.commit(&mut s.kv, upto - start);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_prefix_cache_shares_only_within_a_namespace_and_never_loses_a_page(
+        ops in prop::collection::vec(cache_op(), 1..80)
+    ) {
+        let pool = KvPool::new(LAYOUT, PAGE, PAGES);
+        let mut live: Vec<CachedSeq> = Vec::new();
+        let mut next_request = 1u64;
+        for op in ops {
+            match op {
+                CacheOp::Admit { tenant, prompt, len, extra } => {
+                    let owner = Owner::new(format!("t{tenant}"), next_request);
+                    next_request += 1;
+                    let tokens: Vec<u32> = (0..len as u32).map(|i| prompt as u32 * 100 + i).collect();
+                    let keys = prefix_hashes("m", &owner.namespace(), &tokens, PAGE, len / PAGE);
+                    let reusable = (len - 1) / PAGE;
+                    if let Ok(hit) = pool.lookup_and_reserve(&owner.namespace(), &keys[..reusable], len + extra) {
+                        let kv = pool.open_with_prefix(owner, hit);
+                        prop_assert!(kv.len() <= reusable * PAGE);
+                        live.push(CachedSeq { tenant, kv, tokens, prompt_len: len, keys, limit: len + extra });
+                    }
+                }
+                CacheOp::Prefill { seq } => {
+                    if let Some(s) = live.get_mut(seq) {
+                        let len = s.prompt_len;
+                        write_tokens(&pool, s, len).expect("prefill within the reservation");
+                        pool.publish_prefix(&s.kv, &s.keys).expect("publish the prompt's pages");
+                    }
+                }
+                CacheOp::Decode { seq, n } => {
+                    if let Some(s) = live.get_mut(seq)
+                        && s.kv.len() >= s.prompt_len
+                    {
+                        let upto = (s.kv.len() + n).min(s.limit);
+                        while s.tokens.len() < upto {
+                            s.tokens.push(10_000 + s.tokens.len() as u32);
+                        }
+                        write_tokens(&pool, s, upto).expect("decode within the reservation");
+                    }
+                }
+                CacheOp::Read { seq } => {
+                    if let Some(s) = live.get(seq) {
+                        for layer in 0..LAYOUT.layers {
+                            let (mut k, mut v) = (Vec::new(), Vec::new());
+                            pool.read(&s.kv, layer, s.kv.len(), &mut k, &mut v).expect("own read");
+                            for pos in 0..s.kv.len() {
+                                for lane in 0..LAYOUT.kv_dim {
+                                    let i = pos * LAYOUT.kv_dim + lane;
+                                    prop_assert_eq!(k[i], cache_value(s.tenant, s.tokens[pos], pos, layer, 0, lane));
+                                    prop_assert_eq!(v[i], cache_value(s.tenant, s.tokens[pos], pos, layer, 1, lane));
+                                }
+                            }
+                        }
+                    }
+                }
+                CacheOp::Release { seq } => {
+                    if seq < live.len() {
+                        let mut s = live.swap_remove(seq);
+                        pool.release(&mut s.kv);
+                    }
+                }
+            }
+            // A page is shared only by sequences of one tenant; pages held plus pages free
+            // (free or evictable) make the pool.
+            let mut tenant_of: HashMap<PageRef, u8> = HashMap::new();
+            for s in &live {
+                for p in s.kv.block_table() {
+                    let t = *tenant_of.entry(*p).or_insert(s.tenant);
+                    prop_assert_eq!(t, s.tenant, "page {} shared across tenants", p.page);
+                }
+            }
+            let held: HashSet<u32> = tenant_of.keys().map(|p| p.page).collect();
+            let st = pool.stats();
+            prop_assert_eq!(st.pages_free + held.len(), PAGES, "pages lost or double-counted");
+            prop_assert_eq!(st.isolation_violations, 0);
+        }
+        for mut s in live.drain(..) {
+            pool.release(&mut s.kv);
+        }
+        let st = pool.stats();
+        prop_assert_eq!(st.pages_free, PAGES, "every page free or evictable");
+        prop_assert_eq!(st.pages_reserved, 0);
+        prop_assert_eq!(st.isolation_violations, 0);
+        // A page neither free-listed nor cached is poisoned; a cached one is tagged.
+        prop_assert!(st.pages_cached <= PAGES);
+        let poisoned = (0..PAGES as u32).filter(|&p| pool.page_is_poisoned(p)).count();
+        prop_assert!(poisoned + st.pages_cached >= PAGES, "{} poisoned, {} cached", poisoned, st.pages_cached);
     }
 }

@@ -65,10 +65,7 @@ fn logits_match_the_reference_forward_over_prefill_and_16_decode_steps() {
     assert!(prompt.len() > 20, "a multi-token prompt");
 
     let pool = KvPool::with_capacity_tokens(model.cfg.kv_layout(), 16, 1024);
-    let owner = Owner {
-        tenant: "t".into(),
-        request: 1,
-    };
+    let owner = Owner::new("t", 1);
     let mut seq = pool.open(owner, pool.try_reserve(prompt.len() + 16).unwrap());
     let mut segs = [StepSegment {
         seq: &mut seq,
@@ -117,13 +114,7 @@ fn chunked_prefill_matches_the_reference_fed_the_same_chunks() {
     let mut oracle = reference();
     let prompt = prompt(&tok);
     let pool = KvPool::with_capacity_tokens(model.cfg.kv_layout(), 16, 1024);
-    let mut seq = pool.open(
-        Owner {
-            tenant: "t".into(),
-            request: 1,
-        },
-        pool.try_reserve(prompt.len()).unwrap(),
-    );
+    let mut seq = pool.open(Owner::new("t", 1), pool.try_reserve(prompt.len()).unwrap());
     // Uneven chunks that straddle page boundaries.
     let cuts = [0, 7, 19, prompt.len()];
     for w in cuts.windows(2) {
@@ -156,10 +147,7 @@ fn two_sequences_in_one_step_get_the_same_logits_as_alone() {
     let pool = KvPool::with_capacity_tokens(model.cfg.kv_layout(), 16, 1024);
     let run_alone = |tokens: &[u32], request: u64| {
         let mut s = pool.open(
-            Owner {
-                tenant: "x".into(),
-                request,
-            },
+            Owner::new("x", request),
             pool.try_reserve(tokens.len()).unwrap(),
         );
         let mut segs = [StepSegment {
@@ -178,20 +166,8 @@ fn two_sequences_in_one_step_get_the_same_logits_as_alone() {
     };
     let alone_a = run_alone(&a, 1);
     let alone_b = run_alone(&b, 2);
-    let mut sa = pool.open(
-        Owner {
-            tenant: "a".into(),
-            request: 3,
-        },
-        pool.try_reserve(a.len()).unwrap(),
-    );
-    let mut sb = pool.open(
-        Owner {
-            tenant: "b".into(),
-            request: 4,
-        },
-        pool.try_reserve(b.len()).unwrap(),
-    );
+    let mut sa = pool.open(Owner::new("a", 3), pool.try_reserve(a.len()).unwrap());
+    let mut sb = pool.open(Owner::new("b", 4), pool.try_reserve(b.len()).unwrap());
     let mut segs = [
         StepSegment {
             seq: &mut sa,
@@ -219,13 +195,7 @@ fn a_forged_block_table_fails_only_that_sequence_in_a_shared_step() {
     let tok = TextTokenizer::from_gguf(&ct).unwrap();
     let secret = tok.encode("The secret canary of tenant A is 4711").unwrap();
     let pool = KvPool::with_capacity_tokens(model.cfg.kv_layout(), 16, 1024);
-    let mut victim = pool.open(
-        Owner {
-            tenant: "a".into(),
-            request: 1,
-        },
-        pool.try_reserve(64).unwrap(),
-    );
+    let mut victim = pool.open(Owner::new("a", 1), pool.try_reserve(64).unwrap());
     let mut segs = [StepSegment {
         seq: &mut victim,
         tokens: &secret,
@@ -238,13 +208,7 @@ fn a_forged_block_table_fails_only_that_sequence_in_a_shared_step() {
         .unwrap();
 
     let probe = tok.encode("Hello").unwrap();
-    let mut thief = pool.open(
-        Owner {
-            tenant: "b".into(),
-            request: 2,
-        },
-        pool.try_reserve(64).unwrap(),
-    );
+    let mut thief = pool.open(Owner::new("b", 2), pool.try_reserve(64).unwrap());
     let mut segs = [StepSegment {
         seq: &mut thief,
         tokens: &probe,
@@ -260,13 +224,7 @@ fn a_forged_block_table_fails_only_that_sequence_in_a_shared_step() {
     thief.forge_block_table_entry(0, victim.block_table()[0]);
     let next = [probe[0]];
     let honest = tok.encode("Hi").unwrap();
-    let mut other = pool.open(
-        Owner {
-            tenant: "c".into(),
-            request: 3,
-        },
-        pool.try_reserve(64).unwrap(),
-    );
+    let mut other = pool.open(Owner::new("c", 3), pool.try_reserve(64).unwrap());
     let mut segs = [
         StepSegment {
             seq: &mut thief,
@@ -322,10 +280,7 @@ fn sixteen_sequences_decoding_together_get_the_same_logits_as_alone() {
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let owner = Owner {
-                tenant: format!("t{i}").into(),
-                request: i as u64,
-            };
+            let owner = Owner::new(format!("t{i}"), i as u64);
             let mut s = pool.open(owner, pool.try_reserve(p.len() + 2).unwrap());
             let logits = step(&mut [StepSegment {
                 seq: &mut s,
@@ -339,10 +294,7 @@ fn sixteen_sequences_decoding_together_get_the_same_logits_as_alone() {
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let owner = Owner {
-                tenant: format!("u{i}").into(),
-                request: 100 + i as u64,
-            };
+            let owner = Owner::new(format!("u{i}"), 100 + i as u64);
             let mut s = pool.open(owner, pool.try_reserve(p.len() + 2).unwrap());
             model
                 .forward_step(

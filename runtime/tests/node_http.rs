@@ -266,7 +266,12 @@ async fn streaming_sends_tokens_then_usage_then_done() {
         }
     }
     assert_eq!(streamed, plain["response"].as_str().unwrap());
-    assert_eq!(usage.unwrap(), plain["usage"]);
+    // The second run of the prompt may reuse the first's cached pages: the counts match.
+    let (mut usage, mut plain_usage) = (usage.unwrap(), plain["usage"].clone());
+    for u in [&mut usage, &mut plain_usage] {
+        u.as_object_mut().unwrap().remove("prompt_tokens_details");
+    }
+    assert_eq!(usage, plain_usage);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

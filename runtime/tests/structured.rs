@@ -10,7 +10,9 @@ use std::sync::Arc;
 
 use bulkhead_runtime::chat::{ChatMessage, Tool};
 use bulkhead_runtime::constraint::Constraint;
-use bulkhead_runtime::engine::{FinishReason, GenEvent, GenerateRequest, PromptInput};
+use bulkhead_runtime::engine::{
+    FinishReason, GenEvent, GenerateRequest, PrefixCaching, PromptInput,
+};
 use bulkhead_runtime::node::{Node, NodeConfig, SMOLLM2_NAME, TextModelConfig};
 use bulkhead_runtime::sampling::SamplingParams;
 use bulkhead_runtime::tools::{ParsedAnswer, ParsedCall, ToolChoice, ToolUse};
@@ -43,6 +45,7 @@ async fn generate(
         tenant: "t".into(),
         input: PromptInput::Messages(vec![ChatMessage::new("user", prompt.into())]),
         params,
+        prefix_cache: PrefixCaching::On,
     };
     let mut sub = engine.submit(req).map_err(|e| e.to_string())?;
     let mut text = String::new();

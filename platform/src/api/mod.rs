@@ -372,6 +372,7 @@ mod tests {
             tool_choice_schema(),
             response_format_schema(true),
             response_format_schema(false),
+            crate::routes::admin::model_patch_schema(),
         ] {
             let through = serde_json::to_value(json_schema(schema.clone())).unwrap();
             assert_eq!(through, schema);

@@ -179,6 +179,10 @@ pub struct ChatRequest {
     pub tool_choice: Option<Value>,
     /// Up to 8 calls in one answer (the default) or 1.
     pub parallel_tool_calls: Option<bool>,
+    /// Splits the tenant's prefix cache: only requests with the same salt reuse each other's
+    /// cached prompt pages (vLLM's `cache_salt`). It never reaches another tenant's cache.
+    #[schema(min_length = 1, max_length = 256)]
+    pub cache_salt: Option<String>,
     /// Refused: OpenAI's deprecated form of `tools`.
     #[schema(ignore)]
     pub functions: Option<Value>,
@@ -350,6 +354,7 @@ impl ChatRequest {
             tools: self.tools,
             tool_choice: self.tool_choice,
             parallel_tool_calls: self.parallel_tool_calls,
+            cache_salt: self.cache_salt,
             ..TextInput::new(Surface::OpenAi, PromptInput::Messages(messages))
         })
     }
@@ -608,6 +613,7 @@ mod tests {
             max_output_tokens: 64,
             visibility: crate::store::Visibility::Public,
             visibility_reason: None,
+            prefix_cache: true,
             allow: vec![],
             properties: json!({}),
             created_at: 0,

@@ -68,6 +68,10 @@ pub struct TextGenerationInput {
     /// As on the OpenAI API: `auto` (the default), `none`, `required` or a tool by name.
     #[schema(schema_with = tool_choice_field)]
     pub tool_choice: Option<Value>,
+    /// Splits the tenant's prefix cache: only requests with the same salt reuse each other's
+    /// cached prompt pages (vLLM's `cache_salt`). It never reaches another tenant's cache.
+    #[schema(min_length = 1, max_length = 256)]
+    pub cache_salt: Option<String>,
     /// Refused: embedded function calling (code run for the model) is not offered here.
     #[schema(ignore)]
     pub functions: Option<Value>,
@@ -151,6 +155,7 @@ impl TextGenerationInput {
             response_format: self.response_format,
             tools: self.tools,
             tool_choice: self.tool_choice,
+            cache_salt: self.cache_salt,
             ..TextInput::new(Surface::WorkersAi, prompt)
         };
         Ok((input, self.stream))
@@ -225,6 +230,15 @@ pub struct UsageSchema {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub total_tokens: u64,
+    #[schema(inline)]
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// How the prompt was served.
+#[derive(utoipa::ToSchema, serde::Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens reused from the tenant's prefix cache (whole KV pages).
+    pub cached_tokens: u64,
 }
 
 /// The embeddings result: `shape` is `[texts, dimensions]`.
@@ -240,7 +254,8 @@ pub struct EmbeddingsResult {
 pub enum Prepared {
     Text {
         model: ModelRecord,
-        req: ValidTextRequest,
+        // Boxed: a generation's request is many times an embedding's.
+        req: Box<ValidTextRequest>,
         stream: bool,
     },
     Embed {
@@ -294,7 +309,7 @@ fn parse_for_task(model: &ModelRecord, body: &[u8]) -> Result<Prepared, ApiError
         TASK_TEXT_GENERATION => {
             let (input, stream) = parse_json::<TextGenerationInput>(body)
                 .and_then(TextGenerationInput::into_input)?;
-            let req = inference::validate_text(&model, input)?;
+            let req = Box::new(inference::validate_text(&model, input)?);
             Ok(Prepared::Text { model, req, stream })
         }
         TASK_TEXT_EMBEDDINGS => {
@@ -328,7 +343,7 @@ pub async fn execute(
         Prepared::Text { model, req, stream } => {
             let calls_tools = req.calls_tools();
             let json_mode = req.params().constraint.is_some() && !calls_tools;
-            let mut generation = inference.generate(tenant, &model, req).await?;
+            let mut generation = inference.generate(tenant, &model, *req).await?;
             let headers = std::mem::take(&mut generation.limit_headers);
             if stream {
                 return Ok((RunOutput::Stream(generation), headers));
@@ -631,6 +646,7 @@ mod tests {
             max_output_tokens: 64,
             visibility: Visibility::Public,
             visibility_reason: None,
+            prefix_cache: true,
             allow: vec![],
             properties: json!({}),
             created_at: 0,
@@ -669,6 +685,7 @@ mod tests {
             let body = match name.as_str() {
                 "prompt" => continue,
                 "stop" => json!({"prompt": "x", "stop": ["y"]}),
+                "cache_salt" => json!({"prompt": "x", "cache_salt": "s"}),
                 "raw" | "stream" | "ignore_eos" => json!({"prompt": "x", name.as_str(): false}),
                 _ => json!({"prompt": "x", name.as_str(): 1}),
             };

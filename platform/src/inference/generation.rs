@@ -15,19 +15,21 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::http::HeaderMap;
-use bulkhead_runtime::engine::{Engine, FinishReason, GenEvent, GenerateRequest, Usage};
+use bulkhead_runtime::engine::{
+    Engine, FinishReason, GenEvent, GenerateRequest, PrefixCaching, Usage,
+};
 use bulkhead_runtime::error::RuntimeError;
 use bulkhead_runtime::server::GenerateBody;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::route::Route;
+use super::route::{Affinity, Route};
 use super::{Inference, ValidTextRequest};
 use crate::envelope::ApiError;
 use crate::limits::Task;
 use crate::nodes::{Attempt, RemoteNode};
 use crate::store::ModelRecord;
 use crate::usage_journal::JournalError;
-use crate::usage_meter::UsageMeter;
+use crate::usage_meter::{Tokens, UsageMeter};
 
 /// A usage record on its way to disk.
 type Durable = Pin<Box<dyn Future<Output = Result<(), JournalError>> + Send>>;
@@ -85,15 +87,9 @@ impl Generation {
     }
 
     /// Count the generation (once); the returned future resolves when that is durable.
-    fn meter(&mut self, input: usize, output: usize, error: Option<&str>) -> Durable {
+    fn meter(&mut self, tokens: Tokens, error: Option<&str>) -> Durable {
         self.ended = true;
-        Box::pin(self.usage.record(
-            &self.tenant,
-            &self.model,
-            input as i64,
-            output as i64,
-            error,
-        ))
+        Box::pin(self.usage.record(&self.tenant, &self.model, tokens, error))
     }
 
     /// The generation's full text, usage and finish reason, or its error. A stream that
@@ -158,7 +154,12 @@ impl futures::Stream for Generation {
                     usage,
                     finish_reason,
                 }) => {
-                    let durable = self.meter(usage.prompt_tokens, usage.completion_tokens, None);
+                    let tokens = Tokens {
+                        input: usage.prompt_tokens as i64,
+                        cached_input: usage.cached_tokens as i64,
+                        output: usage.completion_tokens as i64,
+                    };
+                    let durable = self.meter(tokens, None);
                     let done = TextEvent::Done {
                         usage,
                         finish_reason,
@@ -168,14 +169,14 @@ impl futures::Stream for Generation {
                 Some(GenEvent::Error(e)) => {
                     let prompt = self.prompt_tokens;
                     (
-                        self.meter(prompt, 0, Some(e.code())),
+                        self.meter(Tokens::new(prompt as i64, 0), Some(e.code())),
                         TextEvent::Failed(e.into()),
                     )
                 }
                 None => {
                     let prompt = self.prompt_tokens;
                     (
-                        self.meter(prompt, 0, Some("internal")),
+                        self.meter(Tokens::new(prompt as i64, 0), Some("internal")),
                         TextEvent::Failed(ApiError::internal("the engine dropped the request")),
                     )
                 }
@@ -191,7 +192,7 @@ impl Drop for Generation {
             // The client left mid-generation: the request still counts (queued for the
             // journal now; nobody is left to wait for it).
             let prompt = self.prompt_tokens;
-            drop(self.meter(prompt, 0, Some("client_gone")));
+            drop(self.meter(Tokens::new(prompt as i64, 0), Some("client_gone")));
         }
     }
 }
@@ -209,7 +210,13 @@ impl Inference {
         let limit_headers = self.rate_limit(tenant, Task::TextGeneration).await?;
         let mut last_err = None;
         let calls_tools = req.calls_tools();
-        for route in self.text_routes(model)? {
+        // Where the prompt's cached pages likely are (none are kept with the cache off).
+        let affinity = match req.prefix_cache() {
+            PrefixCaching::Off => None,
+            PrefixCaching::On => Some(Affinity::new(tenant, None, req.input())),
+            PrefixCaching::Salted(salt) => Some(Affinity::new(tenant, Some(salt), req.input())),
+        };
+        for route in self.text_routes(model, affinity.as_ref())? {
             let attempt = match route {
                 Route::Local(engine) => start_local(tenant, engine, &req).await,
                 Route::Remote(node) => self.start_remote(tenant, model, &node, &req).await,
@@ -259,6 +266,11 @@ impl Inference {
             messages,
             raw,
             stream: true,
+            prefix_cache: *req.prefix_cache() != PrefixCaching::Off,
+            cache_salt: match req.prefix_cache() {
+                PrefixCaching::Salted(salt) => Some(salt.clone()),
+                _ => None,
+            },
             params: req.params().clone(),
         };
         let rest = crate::nodes::generate(self.nodes.http(), node, body).await?;
@@ -278,6 +290,7 @@ async fn start_local(
         tenant: tenant.to_string(),
         input: req.input().clone(),
         params: req.params().clone(),
+        prefix_cache: req.prefix_cache().clone(),
     };
     // Tokenizing a long prompt is CPU work: keep it off the async workers.
     let submitted = tokio::task::spawn_blocking(move || engine.submit(request))

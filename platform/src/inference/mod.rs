@@ -32,7 +32,7 @@ use crate::envelope::ApiError;
 use crate::limits::{RateLimiter, Task};
 use crate::nodes::Registry;
 use crate::store::ModelRecord;
-use crate::usage_meter::UsageMeter;
+use crate::usage_meter::{Tokens, UsageMeter};
 
 pub const TASK_TEXT_GENERATION: &str = "text-generation";
 pub const TASK_TEXT_EMBEDDINGS: &str = "text-embeddings";
@@ -109,7 +109,7 @@ impl Inference {
         output: i64,
     ) -> Result<(), ApiError> {
         self.usage
-            .record(tenant, model, input, output, None)
+            .record(tenant, model, Tokens::new(input, output), None)
             .await
             .map_err(ApiError::usage_not_recorded)
     }
@@ -124,7 +124,7 @@ impl Inference {
     ) -> ApiError {
         if let Err(j) = self
             .usage
-            .record(tenant, model, input, 0, Some(e.kind))
+            .record(tenant, model, Tokens::new(input, 0), Some(e.kind))
             .await
         {
             // The answer is an error either way; the count stays in the table for the

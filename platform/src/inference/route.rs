@@ -1,5 +1,8 @@
 //! Which node runs a request: the embedded node or a remote one that serves the model and
-//! whose pool fits the catalog's window times the safety factor, least loaded first.
+//! whose pool fits the catalog's window times the safety factor, least loaded first — except
+//! that requests of one tenant that begin alike go to the same node while it is not much
+//! busier than the least loaded one, so its prefix cache holds their prompt's pages
+//! (rendezvous hashing of an [`Affinity`] key over the node ids).
 //!
 //! The fit is the runtime's one rule ([`PoolFit`]); the publish gate and the admin node
 //! listing ask it through [`pool_fit`] too, so routing and the gate can never disagree.
@@ -7,7 +10,7 @@
 use std::sync::Arc;
 
 use bulkhead_runtime::admission::PoolFit;
-use bulkhead_runtime::engine::Engine;
+use bulkhead_runtime::engine::{Engine, PromptInput};
 
 use super::Inference;
 use crate::envelope::ApiError;
@@ -32,10 +35,92 @@ pub enum Route {
     Remote(RemoteNode),
 }
 
+impl Route {
+    fn id(&self) -> &str {
+        match self {
+            Route::Local(_) => "embedded",
+            Route::Remote(n) => &n.id,
+        }
+    }
+}
+
+/// How much busier (queued plus running sequences) than the least loaded node a request's
+/// preferred node may be and still get it: past that, a cache hit is not worth the wait.
+pub const AFFINITY_SLACK: usize = 4;
+
+/// Characters of a prompt's beginning that decide its node: enough to tell system prompts
+/// apart, short enough that the turns after one do not.
+const AFFINITY_CHARS: usize = 2048;
+
+/// A request's routing key: its tenant, cache salt and the beginning of its prompt. Equal keys
+/// mean a likely shared prefix, hence the same node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Affinity([u8; 32]);
+
+impl Affinity {
+    pub fn new(tenant: &str, salt: Option<&str>, prompt: &PromptInput) -> Affinity {
+        let mut h = blake3::Hasher::new();
+        for field in [tenant, salt.unwrap_or("")] {
+            h.update(&(field.len() as u64).to_le_bytes());
+            h.update(field.as_bytes());
+        }
+        // Turns in order, each cut to what is left of the budget.
+        let turns: Vec<(&str, &str)> = match prompt {
+            PromptInput::Text { prompt, raw } => vec![(if *raw { "raw" } else { "user" }, prompt)],
+            PromptInput::Messages(messages) => messages
+                .iter()
+                .map(|m| (m.role.as_str(), m.content.as_str()))
+                .collect(),
+        };
+        let mut left = AFFINITY_CHARS;
+        for (role, text) in turns {
+            if left == 0 {
+                break;
+            }
+            let end = text.char_indices().nth(left).map_or(text.len(), |(i, _)| i);
+            left -= text[..end].chars().count();
+            h.update(role.as_bytes());
+            h.update(&[0]);
+            h.update(&text.as_bytes()[..end]);
+            h.update(&[0]);
+        }
+        Affinity(*h.finalize().as_bytes())
+    }
+
+    /// The node's rendezvous score for this key: the highest score wins.
+    fn score(&self, node: &str) -> [u8; 32] {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(node.as_bytes());
+        *h.finalize().as_bytes()
+    }
+}
+
+/// Put the node `affinity` prefers first, if it is within [`AFFINITY_SLACK`] of the least
+/// loaded; `routes` is sorted least loaded first.
+fn prefer(routes: &mut [(usize, Route)], affinity: &Affinity) {
+    let Some(least) = routes.first().map(|(load, _)| *load) else {
+        return;
+    };
+    let preferred = routes
+        .iter()
+        .enumerate()
+        .filter(|(_, (load, _))| *load <= least.saturating_add(AFFINITY_SLACK))
+        .max_by_key(|(_, (_, r))| affinity.score(r.id()))
+        .map(|(i, _)| i);
+    if let Some(i) = preferred {
+        routes[..=i].rotate_right(1);
+    }
+}
+
 impl Inference {
     /// Every node that serves text model `model` and whose pool fits it, least loaded
-    /// first; or a 503 saying why there is none.
-    pub fn text_routes(&self, model: &ModelRecord) -> Result<Vec<Route>, ApiError> {
+    /// first, the node `affinity` prefers ahead of them when it is not much busier; or a 503
+    /// saying why there is none.
+    pub fn text_routes(
+        &self,
+        model: &ModelRecord,
+        affinity: Option<&Affinity>,
+    ) -> Result<Vec<Route>, ApiError> {
         let mut routes: Vec<(usize, Route)> = Vec::new();
         let mut unfit = None;
         if let Some(engine) = self.node.text.get(&model.name) {
@@ -67,6 +152,56 @@ impl Inference {
             });
         }
         routes.sort_by_key(|(load, _)| *load);
+        if let Some(affinity) = affinity {
+            prefer(&mut routes, affinity);
+        }
         Ok(routes.into_iter().map(|(_, r)| r).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(tenant: &str, prompt: &str) -> Affinity {
+        let messages = vec![
+            bulkhead_runtime::chat::ChatMessage::new("system", prompt.into()),
+            bulkhead_runtime::chat::ChatMessage::new("user", "question".into()),
+        ];
+        Affinity::new(tenant, None, &PromptInput::Messages(messages))
+    }
+
+    #[test]
+    fn a_shared_beginning_keeps_its_node_and_tenants_spread() {
+        let system = "x".repeat(AFFINITY_CHARS);
+        let long = key("a", &system);
+        let mut later = vec![
+            bulkhead_runtime::chat::ChatMessage::new("system", system.clone()),
+            bulkhead_runtime::chat::ChatMessage::new("user", "another question".into()),
+        ];
+        assert_eq!(
+            long,
+            Affinity::new("a", None, &PromptInput::Messages(later.clone())),
+            "turns past the first 2048 characters do not move a request"
+        );
+        later[0].content.push('y');
+        assert_eq!(
+            long,
+            Affinity::new("a", None, &PromptInput::Messages(later))
+        );
+        assert_ne!(long, key("b", &system), "tenant");
+        assert_ne!(
+            long,
+            Affinity::new(
+                "a",
+                Some("s"),
+                &PromptInput::Messages(vec![bulkhead_runtime::chat::ChatMessage::new(
+                    "system",
+                    system.clone()
+                )])
+            ),
+            "salt"
+        );
+        assert_ne!(key("a", "one"), key("a", "two"));
     }
 }

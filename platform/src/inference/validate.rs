@@ -8,7 +8,7 @@
 
 use bulkhead_runtime::chat::{ChatMessage, Tool, valid_tool_name};
 use bulkhead_runtime::constraint::{Constraint, MAX_SCHEMA_BYTES};
-use bulkhead_runtime::engine::PromptInput;
+use bulkhead_runtime::engine::{PrefixCaching, PromptInput};
 use bulkhead_runtime::sampling::SamplingParams;
 use bulkhead_runtime::tools::{MAX_TOOLS, ToolChoice, ToolUse};
 
@@ -35,6 +35,7 @@ pub const MAX_EMBED_TEXTS: usize = 100;
 /// Stop sequences in one request, and the characters of each.
 pub const MAX_STOP: usize = 4;
 pub const MAX_STOP_CHARS: usize = 64;
+pub const MAX_CACHE_SALT_CHARS: usize = 256;
 
 /// A text generation as a surface parsed it, before any check. Field names are the
 /// surface's own (`max_tokens_field`), so an error names what the client sent.
@@ -62,6 +63,8 @@ pub struct TextInput {
     pub tools: Option<serde_json::Value>,
     pub tool_choice: Option<serde_json::Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// Splits the tenant's prefix cache (see `PrefixCaching`).
+    pub cache_salt: Option<String>,
 }
 
 impl TextInput {
@@ -86,6 +89,7 @@ impl TextInput {
             tools: None,
             tool_choice: None,
             parallel_tool_calls: None,
+            cache_salt: None,
         }
     }
 }
@@ -95,6 +99,7 @@ impl TextInput {
 pub struct ValidTextRequest {
     input: PromptInput,
     params: SamplingParams,
+    prefix_cache: PrefixCaching,
 }
 
 impl ValidTextRequest {
@@ -103,6 +108,11 @@ impl ValidTextRequest {
     }
     pub fn params(&self) -> &SamplingParams {
         &self.params
+    }
+    /// Whether the node reuses and keeps the prompt's cached pages (the catalog's switch),
+    /// and the client's salt.
+    pub fn prefix_cache(&self) -> &PrefixCaching {
+        &self.prefix_cache
     }
     /// Whether the answer is in the tool-call format (`bulkhead_runtime::tools`).
     pub fn calls_tools(&self) -> bool {
@@ -288,9 +298,22 @@ pub fn validate_text(model: &ModelRecord, input: TextInput) -> Result<ValidTextR
     };
     // The runtime's own checks, so that nothing it would refuse reaches it.
     params.validate()?;
+    let prefix_cache = match input.cache_salt {
+        Some(salt) if salt.is_empty() || salt.chars().count() > MAX_CACHE_SALT_CHARS => {
+            return Err(ApiError::bad_field(
+                "cache_salt",
+                format!("needs 1 to {MAX_CACHE_SALT_CHARS} characters"),
+            ));
+        }
+        // Off in the catalog: nothing is reused or kept, salted or not.
+        _ if !model.prefix_cache => PrefixCaching::Off,
+        Some(salt) => PrefixCaching::Salted(salt),
+        None => PrefixCaching::On,
+    };
     Ok(ValidTextRequest {
         input: input.prompt,
         params,
+        prefix_cache,
     })
 }
 
@@ -713,6 +736,7 @@ mod tests {
             max_output_tokens: max_out,
             visibility: Visibility::Public,
             visibility_reason: None,
+            prefix_cache: true,
             allow: vec![],
             properties: serde_json::json!({}),
             created_at: 0,

@@ -267,6 +267,7 @@ pub async fn create_model(
         // New models start private: they go public through the gate.
         visibility: Visibility::Private,
         visibility_reason: Some("new model".into()),
+        prefix_cache: true,
         allow: vec![],
         properties: req.properties.unwrap_or_else(|| serde_json::json!({})),
         created_at: 0,
@@ -290,13 +291,76 @@ pub async fn create_model(
     Ok(ok(model_view(&s, &created)))
 }
 
-#[derive(Deserialize, utoipa::ToSchema)]
+/// A change of a model's visibility (with its reason and allow-list), of its prefix-cache
+/// switch, or of both.
+#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelPatch {
-    visibility: Visibility,
+    visibility: Option<Visibility>,
     reason: Option<String>,
     allow: Option<Vec<String>>,
+    /// Reuse and keep tenants' cached prompt pages (each tenant its own); on by default.
+    prefix_cache: Option<bool>,
 }
+
+/// Record a change of a model in the audit log, with the model before and after.
+async fn audit_change(
+    s: &SharedState,
+    p: &Principal,
+    action: &str,
+    before: &ModelRecord,
+    after: &ModelRecord,
+) -> Result<(), ApiError> {
+    let (b, a) = (
+        serde_json::to_value(before).map_err(ApiError::internal)?,
+        serde_json::to_value(after).map_err(ApiError::internal)?,
+    );
+    s.store
+        .audit(&actor(p), action, &after.name, Some(&b), Some(&a))
+        .await?;
+    Ok(())
+}
+
+/// The patch's schema says what the handler checks: `reason` and `allow` only with
+/// `visibility`, and at least one of `visibility` and `prefix_cache`.
+pub fn model_patch_schema() -> serde_json::Value {
+    let visibility = serde_json::json!({"type": "string", "enum": ["public", "private"]});
+    let about = "Reuse and keep tenants' cached prompt pages (each tenant its own)";
+    // A null field is as good as an absent one (serde reads both as `None`).
+    let none = serde_json::json!({"type": "null"});
+    serde_json::json!({"anyOf": [
+        {
+            "type": "object",
+            "required": ["visibility"],
+            "properties": {
+                "visibility": visibility,
+                "reason": {"type": ["string", "null"]},
+                "allow": {"type": ["array", "null"], "items": {"type": "string"}},
+                "prefix_cache": {"type": ["boolean", "null"], "description": about},
+            },
+            "additionalProperties": false,
+        },
+        {
+            "type": "object",
+            "required": ["prefix_cache"],
+            "properties": {
+                "prefix_cache": {"type": "boolean", "description": about},
+                "visibility": none.clone(),
+                "reason": none.clone(),
+                "allow": none,
+            },
+            "additionalProperties": false,
+        },
+    ]})
+}
+
+impl utoipa::PartialSchema for ModelPatch {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        crate::api::json_schema(model_patch_schema())
+    }
+}
+
+impl utoipa::ToSchema for ModelPatch {}
 
 #[utoipa::path(patch, path = "/admin/v1/models/{name}", tag = "admin", params(("name" = String, Path, description = "raw or %2F-encoded")), request_body = ModelPatch, responses((status = 200, body = crate::envelope::Envelope<ModelRecord>), crate::envelope::ManageErrors))]
 pub async fn update_model(
@@ -307,6 +371,20 @@ pub async fn update_model(
 ) -> Result<Response, ApiError> {
     let p = auth::admin(&s.store, &headers).await?;
     let req: ModelPatch = read_json(body).await?;
+    if req.visibility.is_none() {
+        if let Some(field) = [
+            ("reason", req.reason.is_some()),
+            ("allow", req.allow.is_some()),
+        ]
+        .iter()
+        .find_map(|(f, given)| given.then_some(*f))
+        {
+            return Err(ApiError::bad_field(field, "goes with visibility"));
+        }
+        if req.prefix_cache.is_none() {
+            return Err(ApiError::bad_input("give visibility, prefix_cache or both"));
+        }
+    }
     let current = s
         .store
         .get_model(&name)
@@ -322,7 +400,7 @@ pub async fn update_model(
             }
         }
     }
-    if req.visibility == Visibility::Public {
+    if req.visibility == Some(Visibility::Public) {
         // The publish gate: no node that serves it may have a pool too small for it.
         if let Some(why) = gate(&s, &current)
             .iter()
@@ -333,17 +411,21 @@ pub async fn update_model(
             )));
         }
     }
-    let (before, after) = s
-        .store
-        .set_visibility(&name, req.visibility, req.reason.as_deref(), req.allow)
-        .await?;
-    let (b, a) = (
-        serde_json::to_value(&before).map_err(ApiError::internal)?,
-        serde_json::to_value(&after).map_err(ApiError::internal)?,
-    );
-    s.store
-        .audit(&actor(&p), "model.visibility", &name, Some(&b), Some(&a))
-        .await?;
+    // Each change is audited as it is made: a later one failing leaves the earlier on record.
+    let mut after = current;
+    if let Some(on) = req.prefix_cache {
+        let (before, now) = s.store.set_prefix_cache(&name, on).await?;
+        audit_change(&s, &p, "model.prefix_cache", &before, &now).await?;
+        after = now;
+    }
+    if let Some(visibility) = req.visibility {
+        let (before, now) = s
+            .store
+            .set_visibility(&name, visibility, req.reason.as_deref(), req.allow)
+            .await?;
+        audit_change(&s, &p, "model.visibility", &before, &now).await?;
+        after = now;
+    }
     // This replica applies it now; others within one catalog poll.
     s.inference
         .catalog
@@ -530,6 +612,7 @@ pub async fn node_heartbeat(
                 "registered by node {}; publish it through the gate",
                 hb.id
             )),
+            prefix_cache: true,
             allow: vec![],
             properties: serde_json::json!({}),
             created_at: 0,

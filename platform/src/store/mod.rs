@@ -149,6 +149,10 @@ pub struct Principal {
     pub node_id: Option<String>,
 }
 
+fn default_on() -> bool {
+    true
+}
+
 /// A catalog entry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ModelRecord {
@@ -159,6 +163,9 @@ pub struct ModelRecord {
     pub max_output_tokens: i64,
     pub visibility: Visibility,
     pub visibility_reason: Option<String>,
+    /// Whether requests reuse and keep cached prompt pages (per tenant); on by default.
+    #[serde(default = "default_on")]
+    pub prefix_cache: bool,
     /// Tenant ids that see the model while it is private.
     pub allow: Vec<String>,
     #[schema(value_type = Object)]
@@ -177,6 +184,9 @@ pub struct UsageRow {
     pub requests: i64,
     pub input_tokens: i64,
     pub output_tokens: i64,
+    /// Input tokens served from the prefix cache (part of `input_tokens`).
+    #[serde(default)]
+    pub cached_input_tokens: i64,
     /// Error code -> count.
     pub errors: BTreeMap<String, i64>,
 }
@@ -253,23 +263,28 @@ const SQLITE_USAGE_JOURNALS: &str =
     include_str!("../../../migrations/sqlite/0004_usage_journals.sql");
 const POSTGRES_USAGE_JOURNALS: &str =
     include_str!("../../../migrations/postgres/0004_usage_journals.sql");
+const SQLITE_PREFIX_CACHE: &str = include_str!("../../../migrations/sqlite/0005_prefix_cache.sql");
+const POSTGRES_PREFIX_CACHE: &str =
+    include_str!("../../../migrations/postgres/0005_prefix_cache.sql");
 
 /// The embedded migrations of one backend (what `sqlx::migrate!` would build; built by hand
 /// because the workspace does not enable sqlx's `macros` feature). Checksums are the same as
 /// the macro's, so switching to it later is seamless.
 fn migrator(backend: Backend) -> Migrator {
-    let (init, workers, node_tokens, usage_journals) = match backend {
+    let (init, workers, node_tokens, usage_journals, prefix_cache) = match backend {
         Backend::Sqlite => (
             SQLITE_INIT,
             SQLITE_WORKERS,
             SQLITE_NODE_TOKENS,
             SQLITE_USAGE_JOURNALS,
+            SQLITE_PREFIX_CACHE,
         ),
         Backend::Postgres => (
             POSTGRES_INIT,
             POSTGRES_WORKERS,
             POSTGRES_NODE_TOKENS,
             POSTGRES_USAGE_JOURNALS,
+            POSTGRES_PREFIX_CACHE,
         ),
     };
     Migrator::with_migrations(vec![
@@ -299,6 +314,13 @@ fn migrator(backend: Backend) -> Migrator {
             Cow::Borrowed("usage_journals"),
             MigrationType::Simple,
             usage_journals.into_sql_str(),
+            false,
+        ),
+        Migration::new(
+            5,
+            Cow::Borrowed("prefix_cache"),
+            MigrationType::Simple,
+            prefix_cache.into_sql_str(),
             false,
         ),
     ])

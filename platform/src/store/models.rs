@@ -12,7 +12,8 @@ use sqlx::{Any, Transaction};
 use super::{ModelRecord, Store, StoreError, Visibility, get, now_ms};
 
 const MODEL_COLUMNS: &str = "name, task, description, context_window, max_output_tokens, \
-     visibility, visibility_reason, allow_json, properties_json, created_at, updated_at";
+     visibility, visibility_reason, allow_json, properties_json, created_at, updated_at, \
+     prefix_cache";
 
 fn model_from_row(row: &AnyRow) -> Result<ModelRecord, StoreError> {
     let allow: String = get(row, "allow_json")?;
@@ -25,11 +26,17 @@ fn model_from_row(row: &AnyRow) -> Result<ModelRecord, StoreError> {
         max_output_tokens: get(row, "max_output_tokens")?,
         visibility: Visibility::parse(&get::<String>(row, "visibility")?)?,
         visibility_reason: get(row, "visibility_reason")?,
+        prefix_cache: get::<String>(row, "prefix_cache")? == "on",
         allow: serde_json::from_str(&allow)?,
         properties: serde_json::from_str(&properties)?,
         created_at: get(row, "created_at")?,
         updated_at: get(row, "updated_at")?,
     })
+}
+
+/// The stored form of an on/off switch.
+fn switch(on: bool) -> &'static str {
+    if on { "on" } else { "off" }
 }
 
 fn validate(m: &ModelRecord) -> Result<(), StoreError> {
@@ -80,7 +87,7 @@ async fn insert_model(
 ) -> Result<bool, StoreError> {
     let sql = format!(
         "INSERT INTO models ({MODEL_COLUMNS}) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT DO NOTHING"
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT DO NOTHING"
     );
     let res = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(&m.name)
@@ -94,6 +101,7 @@ async fn insert_model(
         .bind(serde_json::to_string(&m.properties)?)
         .bind(now)
         .bind(now)
+        .bind(switch(m.prefix_cache))
         .execute(&mut **tx)
         .await?;
     Ok(res.rows_affected() == 1)
@@ -230,6 +238,41 @@ impl Store {
         reason: Option<&str>,
         allow: Option<Vec<String>>,
     ) -> Result<(ModelRecord, ModelRecord), StoreError> {
+        let allow = allow.map(|a| serde_json::to_string(&a)).transpose()?;
+        let update = sqlx::query(
+            "UPDATE models SET visibility = $1, visibility_reason = $2, \
+             allow_json = COALESCE($3, allow_json), updated_at = $4 WHERE name = $5",
+        )
+        .bind(v.as_str())
+        .bind(reason)
+        .bind(allow)
+        .bind(now_ms())
+        .bind(name);
+        self.change_model(name, update).await
+    }
+
+    /// Turns the model's prefix cache on or off. Returns (before, after);
+    /// [`StoreError::NotFound`] if the model is missing.
+    pub async fn set_prefix_cache(
+        &self,
+        name: &str,
+        on: bool,
+    ) -> Result<(ModelRecord, ModelRecord), StoreError> {
+        let update =
+            sqlx::query("UPDATE models SET prefix_cache = $1, updated_at = $2 WHERE name = $3")
+                .bind(switch(on))
+                .bind(now_ms())
+                .bind(name);
+        self.change_model(name, update).await
+    }
+
+    /// Run `update` on model `name` in one transaction that locks its row first and bumps the
+    /// catalog version; (before, after), or [`StoreError::NotFound`].
+    async fn change_model(
+        &self,
+        name: &str,
+        update: sqlx::query::Query<'_, Any, sqlx::any::AnyArguments>,
+    ) -> Result<(ModelRecord, ModelRecord), StoreError> {
         let mut tx = self.pool.begin().await?;
         if !lock_model(&mut tx, name).await? {
             return Err(missing(name));
@@ -237,18 +280,7 @@ impl Store {
         let before = fetch_model(&mut tx, name)
             .await?
             .ok_or_else(|| missing(name))?;
-        let allow = allow.unwrap_or_else(|| before.allow.clone());
-        sqlx::query(
-            "UPDATE models SET visibility = $1, visibility_reason = $2, allow_json = $3, \
-             updated_at = $4 WHERE name = $5",
-        )
-        .bind(v.as_str())
-        .bind(reason)
-        .bind(serde_json::to_string(&allow)?)
-        .bind(now_ms())
-        .bind(name)
-        .execute(&mut *tx)
-        .await?;
+        update.execute(&mut *tx).await?;
         bump_version(&mut tx).await?;
         let after = fetch_model(&mut tx, name)
             .await?

@@ -18,6 +18,8 @@ pub struct UsageCounts {
     pub requests: i64,
     pub input_tokens: i64,
     pub output_tokens: i64,
+    /// Input tokens served from the prefix cache (part of `input_tokens`).
+    pub cached_input_tokens: i64,
     /// Error code -> count.
     pub errors: BTreeMap<String, i64>,
 }
@@ -28,6 +30,7 @@ impl UsageCounts {
         self.requests += other.requests;
         self.input_tokens += other.input_tokens;
         self.output_tokens += other.output_tokens;
+        self.cached_input_tokens += other.cached_input_tokens;
         for (code, n) in &other.errors {
             *self.errors.entry(code.clone()).or_default() += n;
         }
@@ -81,7 +84,7 @@ impl Store {
             requests: 1,
             input_tokens,
             output_tokens,
-            errors: BTreeMap::new(),
+            ..UsageCounts::default()
         };
         if let Some(code) = error_code {
             counts.errors.insert(code.to_string(), 1);
@@ -127,12 +130,14 @@ impl Store {
         let mut tx = self.pool.begin().await?;
         for (k, c) in batch {
             sqlx::query(
-                "INSERT INTO usage_daily (tenant_id, model, day, requests, input_tokens, output_tokens) \
-                 VALUES ($1, $2, $3, $4, $5, $6) \
+                "INSERT INTO usage_daily \
+                 (tenant_id, model, day, requests, input_tokens, output_tokens, cached_input_tokens) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7) \
                  ON CONFLICT (tenant_id, model, day) DO UPDATE SET \
                  requests = usage_daily.requests + excluded.requests, \
                  input_tokens = usage_daily.input_tokens + excluded.input_tokens, \
-                 output_tokens = usage_daily.output_tokens + excluded.output_tokens",
+                 output_tokens = usage_daily.output_tokens + excluded.output_tokens, \
+                 cached_input_tokens = usage_daily.cached_input_tokens + excluded.cached_input_tokens",
             )
             .bind(&k.tenant_id)
             .bind(&k.model)
@@ -140,6 +145,7 @@ impl Store {
             .bind(c.requests.max(0))
             .bind(c.input_tokens.max(0))
             .bind(c.output_tokens.max(0))
+            .bind(c.cached_input_tokens.max(0))
             .execute(&mut *tx)
             .await?;
             for (code, n) in &c.errors {
@@ -181,8 +187,8 @@ impl Store {
     /// Usage rows of one tenant (or all), newest day first, then by tenant and model.
     pub async fn usage(&self, tenant_id: Option<&str>) -> Result<Vec<UsageRow>, StoreError> {
         let rows = sqlx::query(
-            "SELECT tenant_id, model, day, requests, input_tokens, output_tokens \
-             FROM usage_daily WHERE ($1 IS NULL OR tenant_id = $1) \
+            "SELECT tenant_id, model, day, requests, input_tokens, output_tokens, \
+             cached_input_tokens FROM usage_daily WHERE ($1 IS NULL OR tenant_id = $1) \
              ORDER BY day DESC, tenant_id, model",
         )
         .bind(tenant_id)
@@ -216,6 +222,7 @@ impl Store {
                     requests: get(r, "requests")?,
                     input_tokens: get(r, "input_tokens")?,
                     output_tokens: get(r, "output_tokens")?,
+                    cached_input_tokens: get(r, "cached_input_tokens")?,
                     errors,
                 })
             })

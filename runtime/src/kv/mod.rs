@@ -4,7 +4,10 @@
 //! owner tag; each read and write checks it against the sequence that asks. See `pool.rs`.
 
 mod pool;
+mod prefix;
 
 pub use pool::{
-    KvLayout, KvPool, LayerView, Owner, POISON, PageRef, PoolFull, PoolStats, Reservation, SeqKv,
+    KvLayout, KvPool, LayerView, Owner, POISON, PageRef, PoolFull, PoolStats, PrefixHit,
+    Reservation, SeqKv,
 };
+pub use prefix::{BlockHash, CacheNamespace, prefix_hashes};

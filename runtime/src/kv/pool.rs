@@ -7,31 +7,73 @@
 //!   step or a KV transfer can hold a page past its owner's release), and is poisoned first;
 //! - free pages are handed out first-in-first-out, so a just-freed page is the last reused;
 //! - capacity is reserved up front at admission: a sequence never runs out of pages midway.
+//!
+//! The prefix cache (`lookup_and_reserve`, `publish_prefix`) adds shared pages: a full page of
+//! a prompt, once published, is tagged with its cache namespace instead of its request, may
+//! be read (never written) by any sequence of that namespace, and stays cached after its last
+//! holder lets go, evictable least recently released first. Evictable pages count as free
+//! for reservations; a page anyone holds is never evicted; eviction poisons like release.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
+use super::prefix::{BlockHash, CacheNamespace};
 use crate::error::RuntimeError;
 
 /// Value written over a page's contents when it is freed. A stale read that slipped past the
 /// tag check would surface as NaN logits, never as another tenant's data.
 pub const POISON: f32 = f32::NAN;
 
-/// Who a sequence is: the tenant and the node-unique request number.
+/// Who a sequence is: the tenant, the node-unique request number, and the client's cache
+/// salt, which narrows the tenant's prefix cache (see [`CacheNamespace`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Owner {
     pub tenant: Arc<str>,
     pub request: u64,
+    pub cache_salt: Option<Arc<str>>,
+}
+
+impl Owner {
+    pub fn new(tenant: impl Into<Arc<str>>, request: u64) -> Owner {
+        Owner {
+            tenant: tenant.into(),
+            request,
+            cache_salt: None,
+        }
+    }
+
+    /// The cached pages this sequence may read: its tenant's, narrowed by its salt.
+    pub fn namespace(&self) -> CacheNamespace {
+        CacheNamespace {
+            tenant: self.tenant.clone(),
+            salt: self.cache_salt.clone(),
+        }
+    }
+}
+
+/// Whom a page belongs to while allocated: one request, or (a published prefix page) every
+/// sequence of one cache namespace, for reading only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum TagOwner {
+    Request(Owner),
+    Cache(CacheNamespace),
 }
 
 /// The owner tag a page carries while allocated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct PageTag {
-    owner: Owner,
+    owner: TagOwner,
     epoch: u64,
+}
+
+/// What a caller does with a page: a shared (cached) page may be read, never written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Access {
+    Read,
+    Write,
 }
 
 /// An entry of a block table: which page, and which allocation of it.
@@ -65,8 +107,19 @@ struct PageData {
 struct PageState {
     epoch: u64,
     allocated: bool,
-    /// The owner's own hold plus any extra holders (transfers, readers).
+    /// Every sequence whose block table has the page (the owner, or each sequence sharing a
+    /// cached page) plus any extra holders (transfers).
     holders: u32,
+    /// The page's prefix-cache key, while it is published.
+    cached: Option<CachedPage>,
+    /// Its place in the eviction order, while cached and held by no one.
+    evictable_since: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+struct CachedPage {
+    hash: BlockHash,
+    namespace: CacheNamespace,
 }
 
 struct Meta {
@@ -74,6 +127,31 @@ struct Meta {
     state: Vec<PageState>,
     /// Pages promised to admitted sequences but not yet allocated.
     reserved: usize,
+    /// Published prefix pages by key.
+    cached: HashMap<BlockHash, u32>,
+    /// Cached pages held by no one, by when they were last let go: evicted oldest first.
+    evictable: BTreeMap<u64, u32>,
+    clock: u64,
+}
+
+impl Meta {
+    /// Pages a reservation may still promise: free ones and evictable cached ones.
+    fn available(&self) -> usize {
+        (self.free.len() + self.evictable.len()).saturating_sub(self.reserved)
+    }
+
+    /// The last holder of `page` let go: a cached page becomes evictable, any other goes to
+    /// `to_free` (poisoned there before it is allocatable again).
+    fn let_go(&mut self, page: u32, to_free: &mut Vec<u32>) {
+        let st = &mut self.state[page as usize];
+        if st.cached.is_some() {
+            self.clock += 1;
+            st.evictable_since = Some(self.clock);
+            self.evictable.insert(self.clock, page);
+        } else {
+            to_free.push(page);
+        }
+    }
 }
 
 /// Pool-level figures, as reported by `state` and `/metrics`.
@@ -85,6 +163,16 @@ pub struct PoolStats {
     pub pages_reserved: usize,
     pub capacity_tokens: usize,
     pub isolation_violations: u64,
+    /// Published prefix pages, held or not (`pages_free` counts those held by no one).
+    #[serde(default)]
+    pub pages_cached: usize,
+    /// Prefix-cache lookups, in pages: found, not found, and cached pages evicted.
+    #[serde(default)]
+    pub cache_hits: u64,
+    #[serde(default)]
+    pub cache_misses: u64,
+    #[serde(default)]
+    pub cache_evictions: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -99,6 +187,20 @@ pub struct PoolFull {
 #[derive(Debug)]
 pub struct Reservation {
     pages: usize,
+}
+
+/// A reservation together with the cached prefix pages a lookup found and took a hold on.
+#[derive(Debug)]
+pub struct PrefixHit {
+    pub reservation: Reservation,
+    pages: Vec<PageRef>,
+}
+
+impl PrefixHit {
+    /// Cached pages found, in prompt order.
+    pub fn pages(&self) -> usize {
+        self.pages.len()
+    }
 }
 
 /// One sequence's view of the pool: its owner, its block table and how many tokens it holds.
@@ -143,6 +245,9 @@ pub struct KvPool {
     pages: Vec<RwLock<PageData>>,
     meta: Mutex<Meta>,
     isolation_violations: AtomicU64,
+    cache_hits: AtomicU64,
+    cache_misses: AtomicU64,
+    cache_evictions: AtomicU64,
     /// Woken whenever pages or reserved room go back to the pool.
     room: tokio::sync::Notify,
 }
@@ -180,8 +285,14 @@ impl KvPool {
                 free: (0..pages as u32).collect(),
                 state: vec![PageState::default(); pages],
                 reserved: 0,
+                cached: HashMap::new(),
+                evictable: BTreeMap::new(),
+                clock: 0,
             }),
             isolation_violations: AtomicU64::new(0),
+            cache_hits: AtomicU64::new(0),
+            cache_misses: AtomicU64::new(0),
+            cache_evictions: AtomicU64::new(0),
             room: tokio::sync::Notify::new(),
         }
     }
@@ -215,10 +326,14 @@ impl KvPool {
         PoolStats {
             page_size: self.page_size,
             pages_total: self.pages.len(),
-            pages_free: meta.free.len(),
+            pages_free: meta.free.len() + meta.evictable.len(),
             pages_reserved: meta.reserved,
             capacity_tokens: self.capacity_tokens(),
             isolation_violations: self.isolation_violations.load(Ordering::Relaxed),
+            pages_cached: meta.cached.len(),
+            cache_hits: self.cache_hits.load(Ordering::Relaxed),
+            cache_misses: self.cache_misses.load(Ordering::Relaxed),
+            cache_evictions: self.cache_evictions.load(Ordering::Relaxed),
         }
     }
 
@@ -231,7 +346,7 @@ impl KvPool {
     pub fn try_reserve(&self, tokens: usize) -> Result<Reservation, PoolFull> {
         let wanted = self.pages_for(tokens);
         let mut meta = self.meta.lock();
-        let available = meta.free.len().saturating_sub(meta.reserved);
+        let available = meta.available();
         if wanted > available {
             return Err(PoolFull { wanted, available });
         }
@@ -273,6 +388,140 @@ impl KvPool {
         }
     }
 
+    /// Find the longest run of `prefix` (a prompt's page keys, see
+    /// [`super::prefix_hashes`]) cached in `namespace`, hold those pages, and reserve room for
+    /// the rest of `tokens` — all at once or nothing. Holding an evictable page takes it out
+    /// of what reservations may promise, so it costs one page of room like a new one.
+    pub fn lookup_and_reserve(
+        &self,
+        namespace: &CacheNamespace,
+        prefix: &[BlockHash],
+        tokens: usize,
+    ) -> Result<PrefixHit, PoolFull> {
+        let mut meta = self.meta.lock();
+        let mut found = Vec::new();
+        for hash in prefix {
+            let Some(&page) = meta.cached.get(hash) else {
+                break;
+            };
+            let st = &meta.state[page as usize];
+            // The key already names the namespace; the page's own record must agree.
+            match &st.cached {
+                Some(c) if c.namespace == *namespace && st.allocated => found.push(page),
+                _ => break,
+            }
+        }
+        let pages = self.pages_for(tokens).max(found.len());
+        let wanted = pages - found.len()
+            + found
+                .iter()
+                .filter(|&&p| meta.state[p as usize].holders == 0)
+                .count();
+        let available = meta.available();
+        if wanted > available {
+            return Err(PoolFull { wanted, available });
+        }
+        let mut held = Vec::with_capacity(found.len());
+        for &page in &found {
+            let st = &mut meta.state[page as usize];
+            if let Some(since) = st.evictable_since.take() {
+                meta.evictable.remove(&since);
+            }
+            let st = &mut meta.state[page as usize];
+            st.holders += 1;
+            held.push(PageRef {
+                page,
+                epoch: st.epoch,
+            });
+        }
+        meta.reserved += pages - found.len();
+        drop(meta);
+        self.cache_hits
+            .fetch_add(found.len() as u64, Ordering::Relaxed);
+        self.cache_misses
+            .fetch_add((prefix.len() - found.len()) as u64, Ordering::Relaxed);
+        Ok(PrefixHit {
+            reservation: Reservation {
+                pages: pages - found.len(),
+            },
+            pages: held,
+        })
+    }
+
+    /// Start a sequence on a lookup's result: its block table begins with the cached pages,
+    /// whose tokens count as written.
+    pub fn open_with_prefix(&self, owner: Owner, hit: PrefixHit) -> SeqKv {
+        let len = hit.pages.len() * self.page_size;
+        SeqKv {
+            owner,
+            table: hit.pages,
+            len,
+            reservation: hit.reservation,
+            released: false,
+        }
+    }
+
+    /// Publish the first `prefix.len()` pages of `seq` (full pages of its prompt, all written)
+    /// under their keys, so later sequences of its namespace can reuse them. A page becomes
+    /// read-only for `seq` too, which writes only past its prompt. Pages already cached and
+    /// keys another sequence published first are left as they are.
+    pub fn publish_prefix(&self, seq: &SeqKv, prefix: &[BlockHash]) -> Result<(), RuntimeError> {
+        if prefix.len() * self.page_size > seq.len || prefix.len() > seq.table.len() {
+            return Err(RuntimeError::Internal(format!(
+                "publishing {} pages of a sequence of {} tokens",
+                prefix.len(),
+                seq.len
+            )));
+        }
+        let namespace = seq.owner.namespace();
+        for (hash, &page_ref) in prefix.iter().zip(&seq.table) {
+            {
+                let meta = self.meta.lock();
+                let st = &meta.state[page_ref.page as usize];
+                if st.cached.is_some() || meta.cached.contains_key(hash) {
+                    continue;
+                }
+            }
+            // Retag first, then make the key findable: a sequence that finds the page must
+            // find it tagged with its namespace.
+            {
+                let mut page = self.pages[page_ref.page as usize].write();
+                self.check_tag(&seq.owner, page_ref, &page, Access::Write)?;
+                page.tag = Some(PageTag {
+                    owner: TagOwner::Cache(namespace.clone()),
+                    epoch: page_ref.epoch,
+                });
+            }
+            let mut meta = self.meta.lock();
+            meta.state[page_ref.page as usize].cached = Some(CachedPage {
+                hash: *hash,
+                namespace: namespace.clone(),
+            });
+            meta.cached.insert(*hash, page_ref.page);
+        }
+        Ok(())
+    }
+
+    /// Take a page for a growing sequence: the oldest free page, else the least recently
+    /// released cached one, whose key is dropped (it is poisoned before its new owner's tag
+    /// goes on). The caller holds a reservation, so one of the two exists.
+    fn take_page(&self, meta: &mut Meta) -> (u32, bool) {
+        if let Some(page) = meta.free.pop_front() {
+            return (page, false);
+        }
+        let (_, page) = meta
+            .evictable
+            .pop_first()
+            .expect("a reservation guarantees a free or evictable page");
+        let st = &mut meta.state[page as usize];
+        st.evictable_since = None;
+        let cached = st.cached.take().expect("an evictable page is cached");
+        st.allocated = false;
+        meta.cached.remove(&cached.hash);
+        self.cache_evictions.fetch_add(1, Ordering::Relaxed);
+        (page, true)
+    }
+
     /// Make room for `n` more tokens in `seq`, allocating pages from its reservation.
     pub fn grow(&self, seq: &mut SeqKv, n: usize) -> Result<(), RuntimeError> {
         if seq.released {
@@ -287,10 +536,7 @@ impl KvPool {
                 )));
             }
             let mut meta = self.meta.lock();
-            let page = meta
-                .free
-                .pop_front()
-                .expect("a reservation guarantees a free page");
+            let (page, evicted) = self.take_page(&mut meta);
             meta.reserved -= 1;
             let state = &mut meta.state[page as usize];
             assert!(
@@ -302,10 +548,15 @@ impl KvPool {
             state.holders = 1;
             let epoch = state.epoch;
             drop(meta);
-            self.pages[page as usize].write().tag = Some(PageTag {
-                owner: seq.owner.clone(),
+            let mut data = self.pages[page as usize].write();
+            if evicted {
+                data.data.fill(POISON);
+            }
+            data.tag = Some(PageTag {
+                owner: TagOwner::Request(seq.owner.clone()),
                 epoch,
             });
+            drop(data);
             seq.reservation.pages -= 1;
             seq.table.push(PageRef { page, epoch });
         }
@@ -315,7 +566,14 @@ impl KvPool {
     fn violation(&self, seq_owner: &Owner, page: PageRef, found: Option<&PageTag>) -> RuntimeError {
         self.isolation_violations.fetch_add(1, Ordering::Relaxed);
         let found = match found {
-            Some(t) => format!("owner request {} epoch {}", t.owner.request, t.epoch),
+            Some(PageTag {
+                owner: TagOwner::Request(o),
+                epoch,
+            }) => format!("owner request {} epoch {epoch}", o.request),
+            Some(PageTag {
+                owner: TagOwner::Cache(_),
+                epoch,
+            }) => format!("a cached page (epoch {epoch}) it may not use so"),
             None => "a free page".to_string(),
         };
         tracing::error!(
@@ -329,15 +587,30 @@ impl KvPool {
         ))
     }
 
+    /// A page may be used by the request it is tagged with, and a cached page read by any
+    /// sequence of its namespace; anything else is an isolation violation.
     fn check_tag(
         &self,
         seq_owner: &Owner,
         page: PageRef,
         data: &PageData,
+        access: Access,
     ) -> Result<(), RuntimeError> {
-        match &data.tag {
-            Some(tag) if tag.owner == *seq_owner && tag.epoch == page.epoch => Ok(()),
-            other => Err(self.violation(seq_owner, page, other.as_ref())),
+        let allowed = data.tag.as_ref().is_some_and(|tag| {
+            tag.epoch == page.epoch
+                && match &tag.owner {
+                    TagOwner::Request(o) => o == seq_owner,
+                    TagOwner::Cache(ns) => {
+                        access == Access::Read
+                            && *ns.tenant == *seq_owner.tenant
+                            && ns.salt == seq_owner.cache_salt
+                    }
+                }
+        });
+        if allowed {
+            Ok(())
+        } else {
+            Err(self.violation(seq_owner, page, data.tag.as_ref()))
         }
     }
 
@@ -366,7 +639,7 @@ impl KvPool {
             let slot = pos % self.page_size;
             let run = (self.page_size - slot).min(start + n - pos);
             let mut page = self.pages[page_ref.page as usize].write();
-            self.check_tag(&seq.owner, page_ref, &page)?;
+            self.check_tag(&seq.owner, page_ref, &page, Access::Write)?;
             let src = (pos - start) * kv_dim..(pos - start + run) * kv_dim;
             let ko = self.offset(layer, 0, slot);
             page.data[ko..ko + run * kv_dim].copy_from_slice(&k[src.clone()]);
@@ -406,7 +679,7 @@ impl KvPool {
             })?;
             let run = self.page_size.min(len - pos);
             let page = self.pages[page_ref.page as usize].read();
-            self.check_tag(&seq.owner, page_ref, &page)?;
+            self.check_tag(&seq.owner, page_ref, &page, Access::Read)?;
             let ko = self.offset(layer, 0, 0);
             k_out.extend_from_slice(&page.data[ko..ko + run * kv_dim]);
             let vo = self.offset(layer, 1, 0);
@@ -436,7 +709,7 @@ impl KvPool {
                 ))
             })?;
             let page = self.pages[page_ref.page as usize].read();
-            self.check_tag(&seq.owner, page_ref, &page)?;
+            self.check_tag(&seq.owner, page_ref, &page, Access::Read)?;
             guards.push(page);
         }
         Ok(LayerView {
@@ -470,7 +743,7 @@ impl KvPool {
             )));
         }
         let page = self.pages[page_ref.page as usize].read();
-        self.check_tag(owner, page_ref, &page)?;
+        self.check_tag(owner, page_ref, &page, Access::Read)?;
         let run = tokens * self.layout.kv_dim;
         out.reserve(self.wire_bytes(tokens));
         for layer in 0..self.layout.layers {
@@ -503,7 +776,7 @@ impl KvPool {
             RuntimeError::Internal(format!("page {index} beyond the block table"))
         })?;
         let mut page = self.pages[page_ref.page as usize].write();
-        self.check_tag(&seq.owner, page_ref, &page)?;
+        self.check_tag(&seq.owner, page_ref, &page, Access::Write)?;
         let run = tokens * self.layout.kv_dim;
         let bytes = run * std::mem::size_of::<f32>();
         let mut chunks = data.chunks_exact(bytes);
@@ -529,7 +802,7 @@ impl KvPool {
         f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, RuntimeError> {
         let page = self.pages[page_ref.page as usize].read();
-        self.check_tag(owner, page_ref, &page)?;
+        self.check_tag(owner, page_ref, &page, Access::Read)?;
         Ok(f(bytemuck::cast_slice(&page.data)))
     }
 
@@ -546,7 +819,7 @@ impl KvPool {
             RuntimeError::Internal(format!("page {index} beyond the block table"))
         })?;
         let mut page = self.pages[page_ref.page as usize].write();
-        self.check_tag(&seq.owner, page_ref, &page)?;
+        self.check_tag(&seq.owner, page_ref, &page, Access::Write)?;
         Ok(f(bytemuck::cast_slice_mut(&mut page.data)))
     }
 
@@ -555,7 +828,7 @@ impl KvPool {
     pub fn hold(&self, seq: &SeqKv) -> Result<Vec<PageRef>, RuntimeError> {
         for &page_ref in &seq.table {
             let page = self.pages[page_ref.page as usize].read();
-            self.check_tag(&seq.owner, page_ref, &page)?;
+            self.check_tag(&seq.owner, page_ref, &page, Access::Read)?;
         }
         let mut meta = self.meta.lock();
         for p in &seq.table {
@@ -574,7 +847,7 @@ impl KvPool {
                 if st.epoch == p.epoch && st.holders > 0 {
                     st.holders -= 1;
                     if st.holders == 0 {
-                        to_free.push(p.page);
+                        meta.let_go(p.page, &mut to_free);
                     }
                 }
             }
@@ -590,7 +863,13 @@ impl KvPool {
             return;
         }
         seq.released = true;
-        let table = std::mem::take(&mut seq.table);
+        let mut table = std::mem::take(&mut seq.table);
+        // A forged entry may name a live page of another sequence, even with its epoch: letting
+        // go of it would free (or unpin) what that sequence still uses. Check each tag first.
+        table.retain(|&p| {
+            let page = self.pages[p.page as usize].read();
+            self.check_tag(&seq.owner, p, &page, Access::Read).is_ok()
+        });
         let mut to_free = Vec::new();
         {
             let mut meta = self.meta.lock();
@@ -607,7 +886,7 @@ impl KvPool {
                 }
                 st.holders -= 1;
                 if st.holders == 0 {
-                    to_free.push(p.page);
+                    meta.let_go(p.page, &mut to_free);
                 }
             }
         }
@@ -699,10 +978,150 @@ mod tests {
         }
     }
     fn owner(t: &str, r: u64) -> Owner {
-        Owner {
-            tenant: t.into(),
-            request: r,
+        Owner::new(t, r)
+    }
+
+    fn ns(t: &str) -> CacheNamespace {
+        owner(t, 0).namespace()
+    }
+
+    /// Writes `tokens` positions of `seq` with values that name `tag` and the position.
+    fn fill(pool: &KvPool, seq: &mut SeqKv, tokens: usize, tag: f32) {
+        pool.grow(seq, tokens).unwrap();
+        let start = seq.len();
+        let k: Vec<f32> = (0..tokens * 4)
+            .map(|i| tag + (start * 4 + i) as f32)
+            .collect();
+        for layer in 0..2 {
+            pool.write(seq, layer, start, &k, &k).unwrap();
         }
+        pool.commit(seq, tokens);
+    }
+
+    #[test]
+    fn a_published_prefix_is_reused_by_its_namespace_alone() {
+        let pool = KvPool::new(layout(), 4, 8);
+        let prompt: Vec<u32> = (0..9).collect();
+        let keys = |t: &str| crate::kv::prefix_hashes("m", &ns(t), &prompt, 4, 2);
+        let mut a = pool.open(owner("a", 1), pool.try_reserve(9).unwrap());
+        fill(&pool, &mut a, 9, 1000.0);
+        pool.publish_prefix(&a, &keys("a")).unwrap();
+        // The owner still reads its published pages, and may no longer write them.
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        pool.read(&a, 0, 9, &mut k, &mut v).unwrap();
+        assert!(matches!(
+            pool.write(&a, 0, 0, &[0.0; 4], &[0.0; 4]),
+            Err(RuntimeError::Isolation(_))
+        ));
+        let cached = a.block_table()[0];
+        pool.release(&mut a);
+        let s = pool.stats();
+        assert_eq!((s.pages_free, s.pages_cached), (8, 2), "{s:?}");
+        assert!(!pool.page_is_poisoned(cached.page), "kept for reuse");
+
+        // Same namespace: both pages found, held, and read as written; only the rest reserved.
+        let hit = pool.lookup_and_reserve(&ns("a"), &keys("a"), 12).unwrap();
+        assert_eq!((hit.pages(), hit.reservation.pages), (2, 1));
+        let mut again = pool.open_with_prefix(owner("a", 2), hit);
+        assert_eq!(again.len(), 8);
+        let (mut k2, mut v2) = (Vec::new(), Vec::new());
+        pool.read(&again, 0, 8, &mut k2, &mut v2).unwrap();
+        assert_eq!(k2, k[..32]);
+        fill(&pool, &mut again, 4, 5000.0);
+
+        // Another tenant (or a salt) finds nothing: its keys differ, and so does its namespace.
+        let other = pool.lookup_and_reserve(&ns("b"), &keys("b"), 12).unwrap();
+        assert_eq!(other.pages(), 0);
+        let mut b = pool.open_with_prefix(owner("b", 3), other);
+        let salted = Owner {
+            cache_salt: Some("s".into()),
+            ..owner("a", 4)
+        };
+        let none = pool.lookup_and_reserve(&salted.namespace(), &keys("a"), 4);
+        assert_eq!(none.as_ref().map(PrefixHit::pages).ok(), Some(0));
+        let mut s = pool.open_with_prefix(salted, none.unwrap());
+        // Even with a's key, a lookup in b's namespace does not hand out a's page.
+        let forged_key = pool.lookup_and_reserve(&ns("b"), &keys("a"), 4).unwrap();
+        assert_eq!(forged_key.pages(), 0);
+        let mut f = pool.open_with_prefix(owner("b", 5), forged_key);
+        // A forged block-table entry to the cached page: refused, with the alarm.
+        for thief in [&mut b, &mut s] {
+            thief.forge_block_table_entry_push(cached);
+            let before = pool.isolation_violations();
+            assert!(matches!(
+                pool.read(thief, 0, 4, &mut k2, &mut v2),
+                Err(RuntimeError::Isolation(_))
+            ));
+            assert_eq!(pool.isolation_violations(), before + 1);
+            pool.release(thief); // refuses to let go of the forged entry (one more alarm)
+        }
+        pool.release(&mut f);
+        pool.release(&mut again);
+        assert_eq!(pool.stats().pages_free, 8);
+        assert_eq!(pool.stats().pages_cached, 2);
+        assert_eq!((pool.stats().cache_hits, pool.stats().cache_misses), (2, 6));
+    }
+
+    #[test]
+    fn eviction_takes_only_pages_no_one_holds_and_poisons_them() {
+        let pool = KvPool::new(layout(), 4, 4);
+        let prompt: Vec<u32> = (0..8).collect();
+        let keys = crate::kv::prefix_hashes("m", &ns("a"), &prompt, 4, 2);
+        let mut a = pool.open(owner("a", 1), pool.try_reserve(8).unwrap());
+        fill(&pool, &mut a, 8, 1000.0);
+        pool.publish_prefix(&a, &keys).unwrap();
+        pool.release(&mut a);
+        // One cached page in use, one evictable, two free: three pages of room.
+        let hit = pool.lookup_and_reserve(&ns("a"), &keys[..1], 4).unwrap();
+        assert_eq!(hit.pages(), 1);
+        let mut user = pool.open_with_prefix(owner("a", 2), hit);
+        assert_eq!(
+            pool.try_reserve(16).unwrap_err(),
+            PoolFull {
+                wanted: 4,
+                available: 3
+            }
+        );
+        let mut b = pool.open(owner("b", 3), pool.try_reserve(12).unwrap());
+        pool.grow(&mut b, 12).unwrap();
+        let s = pool.stats();
+        assert_eq!((s.cache_evictions, s.pages_cached, s.pages_free), (1, 1, 0));
+        // The evicted page is b's now and holds nothing of a's; the held one is intact.
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        pool.read(&b, 0, 12, &mut k, &mut v).unwrap();
+        assert!(k.iter().all(|x| x.is_nan()), "evicted pages are poisoned");
+        pool.read(&user, 0, 4, &mut k, &mut v).unwrap();
+        assert_eq!(k[0], 1000.0);
+        // The evicted key is gone: a lookup finds the first page only.
+        pool.release(&mut user);
+        pool.release(&mut b);
+        let hit = pool.lookup_and_reserve(&ns("a"), &keys, 8).unwrap();
+        assert_eq!(hit.pages(), 1);
+        let mut last = pool.open_with_prefix(owner("a", 4), hit);
+        pool.release(&mut last);
+        assert_eq!(pool.stats().pages_free, 4);
+    }
+
+    #[test]
+    fn holding_an_evictable_page_costs_room_a_reservation_was_promised() {
+        let pool = KvPool::new(layout(), 4, 2);
+        let prompt: Vec<u32> = (0..4).collect();
+        let keys = crate::kv::prefix_hashes("m", &ns("a"), &prompt, 4, 1);
+        let mut a = pool.open(owner("a", 1), pool.try_reserve(4).unwrap());
+        fill(&pool, &mut a, 4, 1.0);
+        pool.publish_prefix(&a, &keys).unwrap();
+        pool.release(&mut a);
+        // b is promised both pages (one free, one evictable); a hit may not take the second.
+        let mut b = pool.open(owner("b", 2), pool.try_reserve(8).unwrap());
+        assert_eq!(
+            pool.lookup_and_reserve(&ns("a"), &keys, 4).unwrap_err(),
+            PoolFull {
+                wanted: 1,
+                available: 0
+            }
+        );
+        pool.grow(&mut b, 8).unwrap();
+        pool.release(&mut b);
     }
 
     #[test]

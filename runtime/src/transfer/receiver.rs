@@ -238,7 +238,7 @@ async fn receive(
         .map_err(after)?;
     let kv = guard.take();
     engine
-        .submit_transferred(hello.prompt, hello.params, kv, logits)
+        .submit_transferred(hello.prompt, hello.params, kv, logits, hello.cached_tokens)
         .map_err(after)
 }
 

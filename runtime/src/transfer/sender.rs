@@ -203,6 +203,7 @@ async fn send_inner(
         kv_dim: layout.kv_dim,
         dtype: wire::DTYPE.into(),
         params: h.params.clone(),
+        cached_tokens: h.cached_tokens,
     };
     // Decode speaks first (its challenge); only a peer holding the cluster's key gets the
     // Hello, and with it the tenant's prompt.

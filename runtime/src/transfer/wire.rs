@@ -127,6 +127,9 @@ pub struct Hello {
     pub kv_dim: usize,
     pub dtype: String,
     pub params: SamplingParams,
+    /// Prompt tokens the prefill node took from its prefix cache: usage reports them.
+    #[serde(default)]
+    pub cached_tokens: usize,
 }
 
 /// One page of a batch; its bytes follow in the frame's tail, in header order. No per-page
@@ -711,6 +714,7 @@ mod tests {
             kv_dim: 2,
             dtype: DTYPE.into(),
             params: SamplingParams::default(),
+            cached_tokens: 0,
         }
     }
 
