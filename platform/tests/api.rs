@@ -1087,7 +1087,7 @@ async fn the_admin_ui_is_served_at_admin() {
 }
 
 /// The prefix cache through both surfaces: a tenant's second request with the same long
-/// system prompt reports its reused whole pages in `usage.prompt_tokens_details` and in its
+/// system prompt reports the tokens it reused in `usage.prompt_tokens_details` and in its
 /// usage row; another tenant reuses nothing of it; a salt splits a tenant's cache; the
 /// catalog's switch turns it off; and a bad salt or an empty patch is a 400 naming the field.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1135,10 +1135,7 @@ async fn prefix_cache_is_per_tenant_reported_and_switchable() {
     .await;
     assert_eq!(s, 200, "{second}");
     let reused = cached(&second).unwrap();
-    assert!(
-        reused >= 64 && reused % 16 == 0,
-        "whole pages reused: {second}"
-    );
+    assert!(reused >= 64, "the shared system prompt reused: {second}");
     assert!(reused < second["usage"]["prompt_tokens"].as_u64().unwrap());
     // Workers AI reports it in the same shape.
     let (s, wai, _) = json_of(
@@ -1154,10 +1151,10 @@ async fn prefix_cache_is_per_tenant_reported_and_switchable() {
     )
     .await;
     assert_eq!(s, 200, "{wai}");
-    assert_eq!(
-        wai["result"]["usage"]["prompt_tokens_details"]["cached_tokens"], reused,
-        "{wai}"
-    );
+    let wai_reused = wai["result"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(wai_reused >= 64, "{wai}");
 
     // Another tenant, the very same request: nothing reused.
     let (_, other, _) = json_of(
@@ -1171,7 +1168,8 @@ async fn prefix_cache_is_per_tenant_reported_and_switchable() {
     let (_, salted, _) = json_of(openai(&a, &tok_a, "Dogs?", Some("s")).await.unwrap()).await;
     assert_eq!(cached(&salted), Some(0), "{salted}");
     let (_, salted, _) = json_of(openai(&a, &tok_a, "Cats?", Some("s")).await.unwrap()).await;
-    assert_eq!(cached(&salted), Some(reused), "{salted}");
+    let salted_reused = cached(&salted).unwrap();
+    assert!(salted_reused >= 64, "{salted}");
     let (s, bad, _) = json_of(openai(&a, &tok_a, "x", Some("")).await.unwrap()).await;
     assert_eq!(s, 400, "{bad}");
     assert!(bad.to_string().contains("cache_salt"), "{bad}");
@@ -1238,6 +1236,10 @@ async fn prefix_cache_is_per_tenant_reported_and_switchable() {
     let cached_in = row["cached_input_tokens"]
         .as_i64()
         .expect("a usage row within 5 s");
-    assert_eq!(cached_in as u64, 3 * reused, "{row}");
+    assert_eq!(
+        cached_in as u64,
+        reused + wai_reused + salted_reused,
+        "{row}"
+    );
     assert!(cached_in < row["input_tokens"].as_i64().unwrap(), "{row}");
 }

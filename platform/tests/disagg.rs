@@ -389,7 +389,7 @@ async fn transfer_faults_end_in_clean_errors_with_pools_whole() {
     assert_eq!(s, 200, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
     let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
-    assert!(cached.is_some_and(|c| c > 0 && c % 16 == 0), "{v}");
+    assert!(cached.is_some_and(|c| c > 0), "{v}");
     assert!(metric(&metrics(p).await, "bulkhead_prefix_cache_hits_total") > 0);
     let (s, body) = generate(p, "acme", &prompt("stream"), true).await;
     assert_eq!(s, 200, "{body}");

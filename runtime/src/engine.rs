@@ -20,7 +20,7 @@ use crate::admission::check_generation;
 use crate::chat::ChatMessage;
 use crate::constraint::{ConstrainedSequence, GrammarCompiler};
 use crate::error::RuntimeError;
-use crate::kv::{BlockHash, KvPool, Owner, PageRef, SeqKv, prefix_hashes};
+use crate::kv::{KvPool, Owner, PageRef, PrefixHit, PromptKeys, SeqKv, prefix_hashes};
 use crate::metrics::{NodeMetrics, label};
 use crate::models::llama::{LlamaModel, StepSegment};
 use crate::models::tokenizer::TextTokenizer;
@@ -267,7 +267,7 @@ struct Job {
     owner: Owner,
     prompt: Vec<u32>,
     /// Keys of the prompt's full pages, when the request uses the prefix cache.
-    prefix: Vec<BlockHash>,
+    prefix: Option<PromptKeys>,
     params: SamplingParams,
     /// `params.constraint` compiled (at submission, so a bad schema is refused at once).
     constraint: Option<ConstrainedSequence>,
@@ -289,7 +289,7 @@ struct Running {
     kv: SeqKv,
     prompt: Vec<u32>,
     /// Keys of the prompt's full pages, published once the prompt is prefilled.
-    prefix: Vec<BlockHash>,
+    prefix: Option<PromptKeys>,
     cached_tokens: usize,
     prefilled: usize,
     generated: Vec<u32>,
@@ -481,7 +481,7 @@ impl Engine {
         let job = Job {
             owner: owner.clone(),
             prompt,
-            prefix: Vec::new(),
+            prefix: None,
             params,
             constraint,
             events: tx,
@@ -507,7 +507,7 @@ impl Engine {
     }
 
     /// The keys of every full page of `prompt` in `owner`'s cache namespace.
-    fn prefix_keys(&self, owner: &Owner, prompt: &[u32]) -> Vec<BlockHash> {
+    fn prefix_keys(&self, owner: &Owner, prompt: &[u32]) -> PromptKeys {
         let page = self.pool.page_size();
         prefix_hashes(
             &self.model.name,
@@ -558,11 +558,11 @@ impl Engine {
         let request = self.next_request.fetch_add(1, Ordering::Relaxed);
         let mut owner = Owner::new(req.tenant, request);
         let prefix = match req.prefix_cache {
-            PrefixCaching::Off => Vec::new(),
-            PrefixCaching::On => self.prefix_keys(&owner, &prompt),
+            PrefixCaching::Off => None,
+            PrefixCaching::On => Some(self.prefix_keys(&owner, &prompt)),
             PrefixCaching::Salted(salt) => {
                 owner.cache_salt = Some(salt.into());
-                self.prefix_keys(&owner, &prompt)
+                Some(self.prefix_keys(&owner, &prompt))
             }
         };
         let (tx, rx) = unbounded_channel();
@@ -686,14 +686,18 @@ impl Worker {
                 JobMode::PrefillOnly => Some(job.prompt.len()),
                 JobMode::Transferred { .. } => None,
             };
-            // Reuse cached pages up to the last prompt token, which is always computed: its
+            // Reuse cached K/V up to the last prompt token, which is always computed: its
             // logits give the first token.
-            let reusable =
-                (job.prompt.len().saturating_sub(1) / self.pool.page_size()).min(job.prefix.len());
-            let lookup = need.map(|n| {
-                let namespace = job.owner.namespace();
-                self.pool
-                    .lookup_and_reserve(&namespace, &job.prefix[..reusable], n)
+            let reusable = job.prompt.len().saturating_sub(1);
+            let lookup = need.map(|n| match &job.prefix {
+                Some(keys) => self.pool.lookup_and_reserve(
+                    &job.owner.namespace(),
+                    keys,
+                    &job.prompt,
+                    reusable,
+                    n,
+                ),
+                None => self.pool.try_reserve(n).map(PrefixHit::from),
             });
             let reservation = match lookup {
                 Some(Err(_)) => break,
@@ -711,7 +715,7 @@ impl Worker {
     /// Start an admitted job. The work that depends on what the client sent (its sampler,
     /// stop sequences, a received sequence's first token) runs inside a panic guard, as a
     /// step does: a panic there fails this request alone and the engine goes on.
-    fn start_sequence(&mut self, job: Job, hit: Option<crate::kv::PrefixHit>) {
+    fn start_sequence(&mut self, job: Job, hit: Option<PrefixHit>) {
         let _ = job.events.send(GenEvent::Admitted {
             prompt_tokens: job.prompt.len(),
         });
@@ -724,12 +728,17 @@ impl Worker {
                 },
                 _,
             ) => (kv, job.prompt.len(), cached_tokens, Some(logits), false),
-            (mode, Some(hit)) => {
-                let kv = self.pool.open_with_prefix(job.owner.clone(), hit);
-                let cached = kv.len();
-                let prefill_only = matches!(mode, JobMode::PrefillOnly);
-                (kv, cached, cached, None, prefill_only)
-            }
+            (mode, Some(hit)) => match self.pool.open_with_prefix(job.owner.clone(), hit) {
+                Ok(kv) => {
+                    let cached = kv.len();
+                    let prefill_only = matches!(mode, JobMode::PrefillOnly);
+                    (kv, cached, cached, None, prefill_only)
+                }
+                Err(e) => {
+                    let _ = job.events.send(GenEvent::Error(e));
+                    return;
+                }
+            },
             (_, None) => unreachable!("only received jobs come without a reservation"),
         };
         // Outside the guard the sequence owns nothing that a panic could leak: its pages are
@@ -928,7 +937,8 @@ impl Worker {
                         r.prefilled = *b;
                         // The prompt is in: its full pages become reusable by its namespace.
                         if r.prefilled == r.prompt.len()
-                            && let Err(e) = self.pool.publish_prefix(&r.kv, &r.prefix)
+                            && let Some(keys) = &r.prefix
+                            && let Err(e) = self.pool.publish_prefix(&r.kv, keys, &r.prompt)
                         {
                             finished.push((*i, Outcome::Failed(e)));
                             continue;

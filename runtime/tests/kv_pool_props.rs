@@ -6,7 +6,7 @@
 use std::collections::{HashMap, HashSet};
 
 use bulkhead_runtime::error::RuntimeError;
-use bulkhead_runtime::kv::{BlockHash, KvLayout, KvPool, Owner, PageRef, SeqKv, prefix_hashes};
+use bulkhead_runtime::kv::{KvLayout, KvPool, Owner, PageRef, PromptKeys, SeqKv, prefix_hashes};
 use proptest::prelude::*;
 
 const LAYOUT: KvLayout = KvLayout {
@@ -232,7 +232,7 @@ struct CachedSeq {
     /// The prompt, then the generated tokens.
     tokens: Vec<u32>,
     prompt_len: usize,
-    keys: Vec<BlockHash>,
+    keys: PromptKeys,
     limit: usize,
 }
 
@@ -273,10 +273,10 @@ proptest! {
                     next_request += 1;
                     let tokens: Vec<u32> = (0..len as u32).map(|i| prompt as u32 * 100 + i).collect();
                     let keys = prefix_hashes("m", &owner.namespace(), &tokens, PAGE, len / PAGE);
-                    let reusable = (len - 1) / PAGE;
-                    if let Ok(hit) = pool.lookup_and_reserve(&owner.namespace(), &keys[..reusable], len + extra) {
-                        let kv = pool.open_with_prefix(owner, hit);
-                        prop_assert!(kv.len() <= reusable * PAGE);
+                    let reusable = len - 1;
+                    if let Ok(hit) = pool.lookup_and_reserve(&owner.namespace(), &keys, &tokens, reusable, len + extra) {
+                        let kv = pool.open_with_prefix(owner, hit).expect("a lookup's pages open");
+                        prop_assert!(kv.len() <= reusable);
                         live.push(CachedSeq { tenant, kv, tokens, prompt_len: len, keys, limit: len + extra });
                     }
                 }
@@ -284,7 +284,7 @@ proptest! {
                     if let Some(s) = live.get_mut(seq) {
                         let len = s.prompt_len;
                         write_tokens(&pool, s, len).expect("prefill within the reservation");
-                        pool.publish_prefix(&s.kv, &s.keys).expect("publish the prompt's pages");
+                        pool.publish_prefix(&s.kv, &s.keys, &s.tokens[..len]).expect("publish the prompt's pages");
                     }
                 }
                 CacheOp::Decode { seq, n } => {

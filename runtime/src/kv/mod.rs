@@ -10,4 +10,4 @@ pub use pool::{
     KvLayout, KvPool, LayerView, Owner, POISON, PageRef, PoolFull, PoolStats, PrefixHit,
     Reservation, SeqKv,
 };
-pub use prefix::{BlockHash, CacheNamespace, prefix_hashes};
+pub use prefix::{BlockHash, CacheNamespace, PromptKeys, prefix_hashes};

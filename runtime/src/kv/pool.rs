@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
-use super::prefix::{BlockHash, CacheNamespace};
+use super::prefix::{BlockHash, CacheNamespace, PromptKeys};
 use crate::error::RuntimeError;
 
 /// Value written over a page's contents when it is freed. A stale read that slipped past the
@@ -119,6 +119,10 @@ struct PageState {
 #[derive(Debug, Clone)]
 struct CachedPage {
     hash: BlockHash,
+    /// The key of the page before it in its prompt (or the prompt's root).
+    parent: BlockHash,
+    /// Its tokens: a prompt that shares only their beginning copies that much of it.
+    tokens: Box<[u32]>,
     namespace: CacheNamespace,
 }
 
@@ -129,6 +133,8 @@ struct Meta {
     reserved: usize,
     /// Published prefix pages by key.
     cached: HashMap<BlockHash, u32>,
+    /// Published pages by the key they hang from: where a partial match is looked for.
+    children: HashMap<BlockHash, Vec<u32>>,
     /// Cached pages held by no one, by when they were last let go: evicted oldest first.
     evictable: BTreeMap<u64, u32>,
     clock: u64,
@@ -189,17 +195,33 @@ pub struct Reservation {
     pages: usize,
 }
 
-/// A reservation together with the cached prefix pages a lookup found and took a hold on.
+/// A reservation together with the cached prefix pages a lookup found and took a hold on:
+/// whole pages, then possibly a page whose first slots match the prompt (copied, not shared).
 #[derive(Debug)]
 pub struct PrefixHit {
     pub reservation: Reservation,
     pages: Vec<PageRef>,
+    partial: Option<(PageRef, usize)>,
 }
 
 impl PrefixHit {
-    /// Cached pages found, in prompt order.
+    /// Whole cached pages found, in prompt order.
     pub fn pages(&self) -> usize {
         self.pages.len()
+    }
+    /// Tokens of a further cached page that match the prompt, to be copied.
+    pub fn partial_tokens(&self) -> usize {
+        self.partial.map_or(0, |(_, n)| n)
+    }
+}
+
+impl From<Reservation> for PrefixHit {
+    fn from(reservation: Reservation) -> PrefixHit {
+        PrefixHit {
+            reservation,
+            pages: Vec::new(),
+            partial: None,
+        }
     }
 }
 
@@ -286,6 +308,7 @@ impl KvPool {
                 state: vec![PageState::default(); pages],
                 reserved: 0,
                 cached: HashMap::new(),
+                children: HashMap::new(),
                 evictable: BTreeMap::new(),
                 clock: 0,
             }),
@@ -388,93 +411,169 @@ impl KvPool {
         }
     }
 
-    /// Find the longest run of `prefix` (a prompt's page keys, see
-    /// [`super::prefix_hashes`]) cached in `namespace`, hold those pages, and reserve room for
-    /// the rest of `tokens` — all at once or nothing. Holding an evictable page takes it out
-    /// of what reservations may promise, so it costs one page of room like a new one.
+    /// Find the longest run of `prompt`'s pages cached in `namespace` (by `keys`, see
+    /// [`super::prefix_hashes`]), then the cached page after them whose tokens match the
+    /// prompt's furthest, hold them, and reserve room for the rest of `tokens` — all at once
+    /// or nothing. At most the first `reusable` prompt tokens come from the cache. Holding an
+    /// evictable page takes it out of what reservations may promise, so it costs one page of
+    /// room like a new one.
     pub fn lookup_and_reserve(
         &self,
         namespace: &CacheNamespace,
-        prefix: &[BlockHash],
+        keys: &PromptKeys,
+        prompt: &[u32],
+        reusable: usize,
         tokens: usize,
     ) -> Result<PrefixHit, PoolFull> {
+        let ps = self.page_size;
+        let reusable = reusable.min(prompt.len());
+        let whole = (reusable / ps).min(keys.pages.len());
         let mut meta = self.meta.lock();
-        let mut found = Vec::new();
-        for hash in prefix {
-            let Some(&page) = meta.cached.get(hash) else {
-                break;
-            };
+        let ours = |meta: &Meta, page: u32| {
             let st = &meta.state[page as usize];
             // The key already names the namespace; the page's own record must agree.
-            match &st.cached {
-                Some(c) if c.namespace == *namespace && st.allocated => found.push(page),
+            st.allocated
+                && st
+                    .cached
+                    .as_ref()
+                    .is_some_and(|c| c.namespace == *namespace)
+        };
+        let mut found = Vec::new();
+        for hash in &keys.pages[..whole] {
+            match meta.cached.get(hash) {
+                Some(&page) if ours(&meta, page) => found.push(page),
                 _ => break,
             }
         }
-        let pages = self.pages_for(tokens).max(found.len());
-        let wanted = pages - found.len()
-            + found
+        // The next page: the cached child of the last hit that shares the most tokens.
+        let next = &prompt[found.len() * ps..reusable.min((found.len() + 1) * ps)];
+        let partial = match (
+            next.is_empty(),
+            meta.children.get(&keys.parent(found.len())),
+        ) {
+            (false, Some(children)) => children
                 .iter()
-                .filter(|&&p| meta.state[p as usize].holders == 0)
-                .count();
+                .filter(|&&page| ours(&meta, page))
+                .map(|&page| {
+                    let cached = meta.state[page as usize].cached.as_ref();
+                    let tokens = cached.map_or(&[][..], |c| &c.tokens);
+                    let shared = tokens.iter().zip(next).take_while(|(a, b)| a == b).count();
+                    (page, shared)
+                })
+                .max_by_key(|&(_, shared)| shared)
+                .filter(|&(_, shared)| shared > 0),
+            _ => None,
+        };
+        let pages = self.pages_for(tokens).max(found.len());
+        let evictable = |p: &u32| meta.state[*p as usize].holders == 0;
+        let wanted = pages - found.len()
+            + found.iter().filter(|p| evictable(p)).count()
+            + partial.iter().filter(|(p, _)| evictable(p)).count();
         let available = meta.available();
         if wanted > available {
             return Err(PoolFull { wanted, available });
         }
-        let mut held = Vec::with_capacity(found.len());
-        for &page in &found {
+        let mut hold = |page: u32| {
             let st = &mut meta.state[page as usize];
             if let Some(since) = st.evictable_since.take() {
                 meta.evictable.remove(&since);
             }
             let st = &mut meta.state[page as usize];
             st.holders += 1;
-            held.push(PageRef {
+            PageRef {
                 page,
                 epoch: st.epoch,
-            });
-        }
+            }
+        };
+        let held: Vec<PageRef> = found.iter().map(|&p| hold(p)).collect();
+        let partial = partial.map(|(page, shared)| (hold(page), shared));
         meta.reserved += pages - found.len();
         drop(meta);
         self.cache_hits
             .fetch_add(found.len() as u64, Ordering::Relaxed);
         self.cache_misses
-            .fetch_add((prefix.len() - found.len()) as u64, Ordering::Relaxed);
+            .fetch_add((whole - found.len()) as u64, Ordering::Relaxed);
         Ok(PrefixHit {
             reservation: Reservation {
                 pages: pages - found.len(),
             },
             pages: held,
+            partial,
         })
     }
 
     /// Start a sequence on a lookup's result: its block table begins with the cached pages,
-    /// whose tokens count as written.
-    pub fn open_with_prefix(&self, owner: Owner, hit: PrefixHit) -> SeqKv {
-        let len = hit.pages.len() * self.page_size;
-        SeqKv {
+    /// whose tokens count as written; a partly matching page's slots are copied into the
+    /// sequence's first own page (copy on write: the cached page stays as it is).
+    pub fn open_with_prefix(&self, owner: Owner, hit: PrefixHit) -> Result<SeqKv, RuntimeError> {
+        let mut seq = SeqKv {
             owner,
+            len: hit.pages.len() * self.page_size,
             table: hit.pages,
-            len,
             reservation: hit.reservation,
             released: false,
+        };
+        if let Some((source, tokens)) = hit.partial {
+            let copied = self.copy_slots(&mut seq, source, tokens);
+            self.unhold(&[source]);
+            if let Err(e) = copied {
+                self.release(&mut seq);
+                return Err(e);
+            }
         }
+        Ok(seq)
     }
 
-    /// Publish the first `prefix.len()` pages of `seq` (full pages of its prompt, all written)
-    /// under their keys, so later sequences of its namespace can reuse them. A page becomes
-    /// read-only for `seq` too, which writes only past its prompt. Pages already cached and
-    /// keys another sequence published first are left as they are.
-    pub fn publish_prefix(&self, seq: &SeqKv, prefix: &[BlockHash]) -> Result<(), RuntimeError> {
-        if prefix.len() * self.page_size > seq.len || prefix.len() > seq.table.len() {
+    /// Append the first `tokens` slots of cached page `source` to `seq`, every layer.
+    fn copy_slots(
+        &self,
+        seq: &mut SeqKv,
+        source: PageRef,
+        tokens: usize,
+    ) -> Result<(), RuntimeError> {
+        let kv_dim = self.layout.kv_dim;
+        let run = tokens * kv_dim;
+        let layers: Vec<(Vec<f32>, Vec<f32>)> = {
+            let page = self.pages[source.page as usize].read();
+            self.check_tag(&seq.owner, source, &page, Access::Read)?;
+            (0..self.layout.layers)
+                .map(|layer| {
+                    let (k, v) = (self.offset(layer, 0, 0), self.offset(layer, 1, 0));
+                    (
+                        page.data[k..k + run].to_vec(),
+                        page.data[v..v + run].to_vec(),
+                    )
+                })
+                .collect()
+        };
+        self.grow(seq, tokens)?;
+        for (layer, (k, v)) in layers.iter().enumerate() {
+            self.write(seq, layer, seq.len, k, v)?;
+        }
+        self.commit(seq, tokens);
+        Ok(())
+    }
+
+    /// Publish the full pages of `seq`'s prompt under their `keys` (all written), so later
+    /// sequences of its namespace can reuse them. A page becomes read-only for `seq` too,
+    /// which writes only past its prompt. Pages already cached and keys another sequence
+    /// published first are left as they are.
+    pub fn publish_prefix(
+        &self,
+        seq: &SeqKv,
+        keys: &PromptKeys,
+        prompt: &[u32],
+    ) -> Result<(), RuntimeError> {
+        let ps = self.page_size;
+        let n = keys.pages.len();
+        if n * ps > seq.len || n > seq.table.len() || n * ps > prompt.len() {
             return Err(RuntimeError::Internal(format!(
-                "publishing {} pages of a sequence of {} tokens",
-                prefix.len(),
+                "publishing {n} pages of a sequence of {} tokens",
                 seq.len
             )));
         }
         let namespace = seq.owner.namespace();
-        for (hash, &page_ref) in prefix.iter().zip(&seq.table) {
+        for (i, (hash, &page_ref)) in keys.pages.iter().zip(&seq.table).enumerate() {
             {
                 let meta = self.meta.lock();
                 let st = &meta.state[page_ref.page as usize];
@@ -492,12 +591,16 @@ impl KvPool {
                     epoch: page_ref.epoch,
                 });
             }
+            let parent = keys.parent(i);
             let mut meta = self.meta.lock();
             meta.state[page_ref.page as usize].cached = Some(CachedPage {
                 hash: *hash,
+                parent,
+                tokens: prompt[i * ps..(i + 1) * ps].into(),
                 namespace: namespace.clone(),
             });
             meta.cached.insert(*hash, page_ref.page);
+            meta.children.entry(parent).or_default().push(page_ref.page);
         }
         Ok(())
     }
@@ -518,6 +621,12 @@ impl KvPool {
         let cached = st.cached.take().expect("an evictable page is cached");
         st.allocated = false;
         meta.cached.remove(&cached.hash);
+        if let Some(siblings) = meta.children.get_mut(&cached.parent) {
+            siblings.retain(|&p| p != page);
+            if siblings.is_empty() {
+                meta.children.remove(&cached.parent);
+            }
+        }
         self.cache_evictions.fetch_add(1, Ordering::Relaxed);
         (page, true)
     }
@@ -1005,7 +1114,7 @@ mod tests {
         let keys = |t: &str| crate::kv::prefix_hashes("m", &ns(t), &prompt, 4, 2);
         let mut a = pool.open(owner("a", 1), pool.try_reserve(9).unwrap());
         fill(&pool, &mut a, 9, 1000.0);
-        pool.publish_prefix(&a, &keys("a")).unwrap();
+        pool.publish_prefix(&a, &keys("a"), &prompt).unwrap();
         // The owner still reads its published pages, and may no longer write them.
         let (mut k, mut v) = (Vec::new(), Vec::new());
         pool.read(&a, 0, 9, &mut k, &mut v).unwrap();
@@ -1020,9 +1129,11 @@ mod tests {
         assert!(!pool.page_is_poisoned(cached.page), "kept for reuse");
 
         // Same namespace: both pages found, held, and read as written; only the rest reserved.
-        let hit = pool.lookup_and_reserve(&ns("a"), &keys("a"), 12).unwrap();
+        let hit = pool
+            .lookup_and_reserve(&ns("a"), &keys("a"), &prompt, 9, 12)
+            .unwrap();
         assert_eq!((hit.pages(), hit.reservation.pages), (2, 1));
-        let mut again = pool.open_with_prefix(owner("a", 2), hit);
+        let mut again = pool.open_with_prefix(owner("a", 2), hit).unwrap();
         assert_eq!(again.len(), 8);
         let (mut k2, mut v2) = (Vec::new(), Vec::new());
         pool.read(&again, 0, 8, &mut k2, &mut v2).unwrap();
@@ -1030,20 +1141,26 @@ mod tests {
         fill(&pool, &mut again, 4, 5000.0);
 
         // Another tenant (or a salt) finds nothing: its keys differ, and so does its namespace.
-        let other = pool.lookup_and_reserve(&ns("b"), &keys("b"), 12).unwrap();
-        assert_eq!(other.pages(), 0);
-        let mut b = pool.open_with_prefix(owner("b", 3), other);
+        let other = pool
+            .lookup_and_reserve(&ns("b"), &keys("b"), &prompt, 9, 12)
+            .unwrap();
+        assert_eq!((other.pages(), other.partial_tokens()), (0, 0));
+        let mut b = pool.open_with_prefix(owner("b", 3), other).unwrap();
         let salted = Owner {
             cache_salt: Some("s".into()),
             ..owner("a", 4)
         };
-        let none = pool.lookup_and_reserve(&salted.namespace(), &keys("a"), 4);
-        assert_eq!(none.as_ref().map(PrefixHit::pages).ok(), Some(0));
-        let mut s = pool.open_with_prefix(salted, none.unwrap());
-        // Even with a's key, a lookup in b's namespace does not hand out a's page.
-        let forged_key = pool.lookup_and_reserve(&ns("b"), &keys("a"), 4).unwrap();
-        assert_eq!(forged_key.pages(), 0);
-        let mut f = pool.open_with_prefix(owner("b", 5), forged_key);
+        let none = pool
+            .lookup_and_reserve(&salted.namespace(), &keys("a"), &prompt, 9, 4)
+            .unwrap();
+        assert_eq!((none.pages(), none.partial_tokens()), (0, 0));
+        let mut s = pool.open_with_prefix(salted, none).unwrap();
+        // Even with a's keys, a lookup in b's namespace hands out nothing of a's pages.
+        let forged_key = pool
+            .lookup_and_reserve(&ns("b"), &keys("a"), &prompt, 9, 4)
+            .unwrap();
+        assert_eq!((forged_key.pages(), forged_key.partial_tokens()), (0, 0));
+        let mut f = pool.open_with_prefix(owner("b", 5), forged_key).unwrap();
         // A forged block-table entry to the cached page: refused, with the alarm.
         for thief in [&mut b, &mut s] {
             thief.forge_block_table_entry_push(cached);
@@ -1063,18 +1180,62 @@ mod tests {
     }
 
     #[test]
+    fn a_partly_matching_page_is_copied_not_shared() {
+        let pool = KvPool::new(layout(), 4, 8);
+        let prompt: Vec<u32> = (0..8).collect();
+        let keys = crate::kv::prefix_hashes("m", &ns("a"), &prompt, 4, 2);
+        let mut a = pool.open(owner("a", 1), pool.try_reserve(8).unwrap());
+        fill(&pool, &mut a, 8, 1000.0);
+        pool.publish_prefix(&a, &keys, &prompt).unwrap();
+        let (mut written, mut v) = (Vec::new(), Vec::new());
+        pool.read(&a, 1, 8, &mut written, &mut v).unwrap();
+        pool.release(&mut a);
+        // Shares the first page and two tokens of the second.
+        let other: Vec<u32> = vec![0, 1, 2, 3, 4, 5, 99, 98, 97];
+        let other_keys = crate::kv::prefix_hashes("m", &ns("a"), &other, 4, 2);
+        let hit = pool
+            .lookup_and_reserve(&ns("a"), &other_keys, &other, 8, 12)
+            .unwrap();
+        assert_eq!((hit.pages(), hit.partial_tokens()), (1, 2));
+        let mut b = pool.open_with_prefix(owner("a", 2), hit).unwrap();
+        assert_eq!(b.len(), 6);
+        assert_eq!(b.block_table().len(), 2);
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        pool.read(&b, 1, 6, &mut k, &mut v).unwrap();
+        assert_eq!(k, written[..24], "the copied slots hold what was written");
+        // b's second page is its own: it writes on; the cached page is unchanged.
+        fill(&pool, &mut b, 3, 5000.0);
+        let hit = pool
+            .lookup_and_reserve(&ns("a"), &keys, &prompt, 7, 8)
+            .unwrap();
+        assert_eq!((hit.pages(), hit.partial_tokens()), (1, 3));
+        let mut c = pool.open_with_prefix(owner("a", 3), hit).unwrap();
+        pool.read(&c, 1, 7, &mut k, &mut v).unwrap();
+        assert_eq!(k, written[..28]);
+        pool.release(&mut b);
+        pool.release(&mut c);
+        let s = pool.stats();
+        assert_eq!(
+            (s.pages_free, s.pages_cached, s.isolation_violations),
+            (8, 2, 0)
+        );
+    }
+
+    #[test]
     fn eviction_takes_only_pages_no_one_holds_and_poisons_them() {
         let pool = KvPool::new(layout(), 4, 4);
         let prompt: Vec<u32> = (0..8).collect();
         let keys = crate::kv::prefix_hashes("m", &ns("a"), &prompt, 4, 2);
         let mut a = pool.open(owner("a", 1), pool.try_reserve(8).unwrap());
         fill(&pool, &mut a, 8, 1000.0);
-        pool.publish_prefix(&a, &keys).unwrap();
+        pool.publish_prefix(&a, &keys, &prompt).unwrap();
         pool.release(&mut a);
         // One cached page in use, one evictable, two free: three pages of room.
-        let hit = pool.lookup_and_reserve(&ns("a"), &keys[..1], 4).unwrap();
-        assert_eq!(hit.pages(), 1);
-        let mut user = pool.open_with_prefix(owner("a", 2), hit);
+        let hit = pool
+            .lookup_and_reserve(&ns("a"), &keys, &prompt[..4], 4, 4)
+            .unwrap();
+        assert_eq!((hit.pages(), hit.partial_tokens()), (1, 0));
+        let mut user = pool.open_with_prefix(owner("a", 2), hit).unwrap();
         assert_eq!(
             pool.try_reserve(16).unwrap_err(),
             PoolFull {
@@ -1095,9 +1256,11 @@ mod tests {
         // The evicted key is gone: a lookup finds the first page only.
         pool.release(&mut user);
         pool.release(&mut b);
-        let hit = pool.lookup_and_reserve(&ns("a"), &keys, 8).unwrap();
-        assert_eq!(hit.pages(), 1);
-        let mut last = pool.open_with_prefix(owner("a", 4), hit);
+        let hit = pool
+            .lookup_and_reserve(&ns("a"), &keys, &prompt, 8, 8)
+            .unwrap();
+        assert_eq!((hit.pages(), hit.partial_tokens()), (1, 0));
+        let mut last = pool.open_with_prefix(owner("a", 4), hit).unwrap();
         pool.release(&mut last);
         assert_eq!(pool.stats().pages_free, 4);
     }
@@ -1109,12 +1272,13 @@ mod tests {
         let keys = crate::kv::prefix_hashes("m", &ns("a"), &prompt, 4, 1);
         let mut a = pool.open(owner("a", 1), pool.try_reserve(4).unwrap());
         fill(&pool, &mut a, 4, 1.0);
-        pool.publish_prefix(&a, &keys).unwrap();
+        pool.publish_prefix(&a, &keys, &prompt).unwrap();
         pool.release(&mut a);
         // b is promised both pages (one free, one evictable); a hit may not take the second.
         let mut b = pool.open(owner("b", 2), pool.try_reserve(8).unwrap());
         assert_eq!(
-            pool.lookup_and_reserve(&ns("a"), &keys, 4).unwrap_err(),
+            pool.lookup_and_reserve(&ns("a"), &keys, &prompt, 4, 4)
+                .unwrap_err(),
             PoolFull {
                 wanted: 1,
                 available: 0

@@ -20,6 +20,24 @@ pub struct CacheNamespace {
 /// The key of one full page of a prompt: a BLAKE3 hash over the chain up to it.
 pub type BlockHash = [u8; 32];
 
+/// A prompt's page keys and the root they hang from (the model and namespace's own key):
+/// page `i`'s parent is page `i - 1`'s key, or the root.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PromptKeys {
+    pub root: BlockHash,
+    pub pages: Vec<BlockHash>,
+}
+
+impl PromptKeys {
+    /// The key page `index` hangs from.
+    pub fn parent(&self, index: usize) -> BlockHash {
+        match index {
+            0 => self.root,
+            i => self.pages[i - 1],
+        }
+    }
+}
+
 /// The keys of the first `pages` full pages of `tokens` (fewer if `tokens` holds fewer full
 /// pages), for `model` in `namespace`.
 pub fn prefix_hashes(
@@ -28,7 +46,7 @@ pub fn prefix_hashes(
     tokens: &[u32],
     page_size: usize,
     pages: usize,
-) -> Vec<BlockHash> {
+) -> PromptKeys {
     let mut root = blake3::Hasher::new();
     root.update(b"bulkhead prefix cache v1\0");
     // Length-prefixed fields, so no two (model, tenant, salt) triples hash the same bytes.
@@ -48,8 +66,9 @@ pub fn prefix_hashes(
             }
         }
     }
-    let mut parent: BlockHash = *root.finalize().as_bytes();
-    tokens
+    let root: BlockHash = *root.finalize().as_bytes();
+    let mut parent = root;
+    let pages = tokens
         .chunks_exact(page_size.max(1))
         .take(pages)
         .map(|page| {
@@ -61,7 +80,8 @@ pub fn prefix_hashes(
             parent = *h.finalize().as_bytes();
             parent
         })
-        .collect()
+        .collect();
+    PromptKeys { root, pages }
 }
 
 #[cfg(test)]
@@ -80,7 +100,7 @@ mod tests {
         let a: Vec<u32> = (0..20).collect();
         let mut b = a.clone();
         b[9] = 99; // differs in the third page of 4
-        let h = |t: &[u32], n: &CacheNamespace| prefix_hashes("m", n, t, 4, usize::MAX);
+        let h = |t: &[u32], n: &CacheNamespace| prefix_hashes("m", n, t, 4, usize::MAX).pages;
         let (ha, hb) = (h(&a, &ns("x", None)), h(&b, &ns("x", None)));
         assert_eq!(ha.len(), 5);
         assert_eq!(ha[..2], hb[..2]);
@@ -89,12 +109,18 @@ mod tests {
         for other in [
             h(&a, &ns("y", None)),
             h(&a, &ns("x", Some("s"))),
-            prefix_hashes("n", &ns("x", None), &a, 4, 5),
+            prefix_hashes("n", &ns("x", None), &a, 4, 5).pages,
         ] {
             assert!(ha.iter().zip(&other).all(|(x, y)| x != y));
         }
         // A tenant named like tenant + salt does not collide with the salted namespace.
         assert_ne!(h(&a, &ns("xs", None))[0], h(&a, &ns("x", Some("s")))[0]);
-        assert_eq!(prefix_hashes("m", &ns("x", None), &a, 4, 2), ha[..2]);
+        let two = prefix_hashes("m", &ns("x", None), &a, 4, 2);
+        assert_eq!(two.pages, ha[..2]);
+        assert_eq!(two.parent(1), ha[0]);
+        assert_ne!(
+            two.parent(0),
+            prefix_hashes("m", &ns("y", None), &a, 4, 2).root
+        );
     }
 }
