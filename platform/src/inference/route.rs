@@ -96,8 +96,8 @@ impl Affinity {
 }
 
 /// Put the node `affinity` prefers first, if it is within [`AFFINITY_SLACK`] of the least
-/// loaded; `routes` is sorted least loaded first.
-fn prefer(routes: &mut [(usize, Route)], affinity: &Affinity) {
+/// loaded; `routes` (load, node) is sorted least loaded first, and `id` names a node.
+fn prefer<T>(routes: &mut [(usize, T)], id: impl Fn(&T) -> &str, affinity: &Affinity) {
     let Some(least) = routes.first().map(|(load, _)| *load) else {
         return;
     };
@@ -105,7 +105,7 @@ fn prefer(routes: &mut [(usize, Route)], affinity: &Affinity) {
         .iter()
         .enumerate()
         .filter(|(_, (load, _))| *load <= least.saturating_add(AFFINITY_SLACK))
-        .max_by_key(|(_, (_, r))| affinity.score(r.id()))
+        .max_by_key(|(_, (_, r))| affinity.score(id(r)))
         .map(|(i, _)| i);
     if let Some(i) = preferred {
         routes[..=i].rotate_right(1);
@@ -153,7 +153,7 @@ impl Inference {
         }
         routes.sort_by_key(|(load, _)| *load);
         if let Some(affinity) = affinity {
-            prefer(&mut routes, affinity);
+            prefer(&mut routes, Route::id, affinity);
         }
         Ok(routes.into_iter().map(|(_, r)| r).collect())
     }
@@ -169,6 +169,39 @@ mod tests {
             bulkhead_runtime::chat::ChatMessage::new("user", "question".into()),
         ];
         Affinity::new(tenant, None, &PromptInput::Messages(messages))
+    }
+
+    /// The preferred node goes first whatever the load order, unless it is more than the
+    /// slack busier than the least loaded; over many tenants every node is someone's.
+    #[test]
+    fn affinity_prefers_one_node_within_the_slack() {
+        let nodes = |loads: [usize; 3]| {
+            let mut r: Vec<(usize, &str)> = loads.into_iter().zip(["n1", "n2", "n3"]).collect();
+            r.sort_by_key(|(load, _)| *load);
+            r
+        };
+        let first = |loads: [usize; 3], k: &Affinity| {
+            let mut r = nodes(loads);
+            prefer(&mut r, |n| n, k);
+            r[0].1
+        };
+        let mut chosen = std::collections::HashSet::new();
+        for t in 0..64 {
+            let k = key(&format!("tenant{t}"), "the same system prompt");
+            let home = first([0, 0, 0], &k);
+            chosen.insert(home);
+            // Busier within the slack, in any order: still home.
+            assert_eq!(first([AFFINITY_SLACK, 1, 0], &k), home);
+            assert_eq!(first([0, AFFINITY_SLACK, 2], &k), home);
+            // Home far busier than the least loaded: the least loaded.
+            let loads = match home {
+                "n1" => [AFFINITY_SLACK + 1, 0, 3],
+                "n2" => [3, AFFINITY_SLACK + 1, 0],
+                _ => [0, 3, AFFINITY_SLACK + 1],
+            };
+            assert_ne!(first(loads, &k), home);
+        }
+        assert_eq!(chosen.len(), 3, "tenants spread over every node");
     }
 
     #[test]
