@@ -349,6 +349,31 @@ describe("admin UI in headless Chromium", () => {
     assert.match(r.body.result.response, /Paris/, r.body.result.response);
   });
 
+  it("switches a model's prefix cache off and on; the tenant's repeat is then cold, then cached", async () => {
+    // Long enough for a whole page of prompt (16 tokens), with or without a system prompt.
+    const body = { prompt: "Name the capital of France, and in one short sentence the river that runs through it.", temperature: 0, max_tokens: 1 };
+    const cached = (r) => r.body.result.usage.prompt_tokens_details.cached_tokens;
+    const warm = await tenantRun(tenantToken, TEXT, body);
+    assert.equal(warm.status, 200, JSON.stringify(warm.body));
+    assert.ok(cached(await tenantRun(tenantToken, TEXT, body)) > 0, "the repeat reuses the prompt");
+
+    const sw = page.getByRole("switch", { name: `Prefix cache: ${TEXT}` });
+    assert.equal(await sw.getAttribute("aria-checked"), "true");
+    await sw.click();
+    await page.getByRole("status").filter({ hasText: `Prefix cache of ${TEXT} is now off` }).waitFor();
+    await eventually("the switch shows off", async () => (await sw.getAttribute("aria-checked")) === "false");
+    const off = await tenantRun(tenantToken, TEXT, body);
+    assert.equal(off.status, 200, JSON.stringify(off.body));
+    assert.equal(cached(off), 0, JSON.stringify(off.body));
+
+    await sw.click();
+    await eventually("the switch shows on", async () => (await sw.getAttribute("aria-checked")) === "true");
+    await tenantRun(tenantToken, TEXT, body);
+    assert.ok(cached(await tenantRun(tenantToken, TEXT, body)) > 0, "cached again");
+    const audit = await admin("GET", `/audit?model=${encodeURIComponent(TEXT)}`);
+    assert.equal(audit.body.result.filter((e) => e.action === "model.prefix_cache").length, 2);
+  });
+
   it("shows a model whose node pool is too small as unsafe, with make-public disabled and the numbers", async () => {
     await page.getByLabel("Name", { exact: true }).fill(INCIDENT);
     await page.getByLabel("Context window (tokens)").fill(String(INCIDENT_WINDOW));

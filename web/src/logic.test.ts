@@ -31,6 +31,7 @@ function model(over: Partial<Model> = {}): Model {
     max_output_tokens: 2048,
     visibility: "public",
     visibility_reason: null,
+    prefix_cache: true,
     allow: [],
     properties: {},
     created_at: 1,
@@ -234,6 +235,12 @@ describe("audit descriptions", () => {
         tenants,
       ),
     ).toBe("public → private; reason: “leak”; allow-list: acme, t9");
+  });
+  it("prefix cache switches", () => {
+    const flip = (on: boolean) =>
+      describeAudit(entry({ action: "model.prefix_cache", before: { prefix_cache: !on }, after: { prefix_cache: on } }));
+    expect(flip(false)).toBe("prefix cache off");
+    expect(flip(true)).toBe("prefix cache on");
   });
   it("tokens, tenants and models", () => {
     expect(

@@ -383,6 +383,8 @@ export function describeAudit(e: AuditEntry, tenants: Tenant[] = []): string {
       }
       return parts.join("; ");
     }
+    case "model.prefix_cache":
+      return `prefix cache ${a.prefix_cache === false ? "off" : "on"}`;
     case "model.create":
     case "model.register":
       return `${e.action === "model.create" ? "created" : "registered"} (${str(a.task) ?? "?"}, context window ${formatInt(

@@ -19,6 +19,8 @@ export interface Model {
   max_output_tokens: number;
   visibility: Visibility;
   visibility_reason: string | null;
+  /** Whether tenants' prompt pages are cached and reused (each tenant its own). */
+  prefix_cache: boolean;
   allow: string[];
   properties: Record<string, unknown>;
   created_at: number;

@@ -61,6 +61,7 @@ export function CatalogPage() {
                   Max output tokens
                 </th>
                 <th scope="col">Visibility</th>
+                <th scope="col">Prefix cache</th>
                 <th scope="col">Pre-deployment gate</th>
               </tr>
             </thead>
@@ -74,11 +75,15 @@ export function CatalogPage() {
                     setPending({ model: m, target: m.visibility === "public" ? "private" : "public", allowOnly: false })
                   }
                   onEditAllow={() => setPending({ model: m, target: "private", allowOnly: true })}
+                  onCacheToggled={(changed, error) => {
+                    setNotice(error ?? `Prefix cache of ${changed.name} is now ${changed.prefix_cache ? "on" : "off"}.`);
+                    void models.reload();
+                  }}
                 />
               ))}
               {list.length === 0 && (
                 <tr>
-                  <td colSpan={6}>No models in the catalog.</td>
+                  <td colSpan={7}>No models in the catalog.</td>
                 </tr>
               )}
             </tbody>
@@ -111,8 +116,28 @@ export function CatalogPage() {
   );
 }
 
-function ModelRow(props: { model: Model; tenants: Tenant[]; onToggle: () => void; onEditAllow: () => void }) {
+function ModelRow(props: {
+  model: Model;
+  tenants: Tenant[];
+  onToggle: () => void;
+  onEditAllow: () => void;
+  onCacheToggled: (m: Model, error: string | null) => void;
+}) {
   const m = props.model;
+  const [saving, setSaving] = useState(false);
+  // Turning the cache off takes nothing away from a tenant's answers (only their speed), so
+  // it switches at once, without a dialog.
+  const toggleCache = async () => {
+    setSaving(true);
+    try {
+      const changed = await api<Model>("PATCH", `/models/${modelPath(m.name)}`, { prefix_cache: !m.prefix_cache });
+      props.onCacheToggled(changed, null);
+    } catch (e) {
+      props.onCacheToggled(m, `Could not switch the prefix cache of ${m.name}: ${e instanceof Error ? e.message : String(e)}`);
+    } finally {
+      setSaving(false);
+    }
+  };
   const gate = gateSummary(m);
   const block = toggleBlock(m);
   const gateId = useId();
@@ -160,6 +185,18 @@ function ModelRow(props: { model: Model; tenants: Tenant[]; onToggle: () => void
         <div class="small">
           <a href={routeHref("audit", { model: m.name })}>Audit log</a>
         </div>
+      </td>
+      <td>
+        {m.task === "text-generation" ? (
+          <Switch
+            checked={m.prefix_cache}
+            label={`Prefix cache: ${m.name}`}
+            disabled={saving}
+            onToggle={() => void toggleCache()}
+          />
+        ) : (
+          <span class="muted small">no KV cache</span>
+        )}
       </td>
       <td>
         <div id={gateId} class={`gate gate-${gate.state}`}>
