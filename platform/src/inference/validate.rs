@@ -245,11 +245,13 @@ pub fn validate_text(model: &ModelRecord, input: TextInput) -> Result<ValidTextR
         .seed
         .map(|s| within_range("seed", s, seeds.clone()))
         .transpose()?;
-    // Workers AI documents 0..2, where 0 (like 1) means no penalty.
+    // Workers AI documents 0..2, where 0 (like 1) means no penalty; so does a positive value
+    // too small for an f32, which rounds to 0 (the runtime would refuse a 0 penalty).
     let repetition_penalty = input
         .repetition_penalty
         .map(|r| within_range("repetition_penalty", r, 0.0..=2.0))
         .transpose()?
+        .map(|r| r as f32)
         .filter(|&r| r > 0.0);
     let frequency_penalty = within_range(
         "frequency_penalty",
@@ -287,7 +289,7 @@ pub fn validate_text(model: &ModelRecord, input: TextInput) -> Result<ValidTextR
         top_k: top_k.map(|k| k as usize),
         // Any 64-bit pattern is a seed; negative OpenAI seeds keep their bits.
         seed: seed.map(|s| s as u64),
-        repetition_penalty: repetition_penalty.map(|r| r as f32),
+        repetition_penalty,
         frequency_penalty: frequency_penalty as f32,
         presence_penalty: presence_penalty as f32,
         max_tokens: usize::try_from(max_tokens).unwrap_or(usize::MAX),
@@ -988,16 +990,19 @@ mod tests {
         )
         .unwrap();
         assert_eq!(v.params().seed, Some(u64::MAX));
-        // A repetition penalty of 0 means none.
-        let v = validate_text(
-            &m,
-            TextInput {
-                repetition_penalty: Some(0.0),
-                ..text(Surface::WorkersAi)
-            },
-        )
-        .unwrap();
-        assert_eq!(v.params().repetition_penalty, None);
+        // A repetition penalty of 0 means none, and so does one that rounds to 0 as an f32
+        // (schemathesis sent 3.8e-156, which the runtime then refused as 0).
+        for tiny in [0.0, 3.841002562571087e-156] {
+            let v = validate_text(
+                &m,
+                TextInput {
+                    repetition_penalty: Some(tiny),
+                    ..text(Surface::WorkersAi)
+                },
+            )
+            .unwrap();
+            assert_eq!(v.params().repetition_penalty, None);
+        }
     }
 
     #[test]
