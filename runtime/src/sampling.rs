@@ -176,6 +176,9 @@ impl Sampler {
             let mut recent = prompt[prompt.len() - from_prompt..].to_vec();
             recent.extend_from_slice(&generated[generated.len() - from_generated..]);
             t = candle_transformers::utils::apply_repeat_penalty(&t, penalty, &recent)?;
+            // A penalty near 0 divides a positive logit into +inf, which turns every
+            // probability into NaN at a temperature: keep it the largest finite logit.
+            t = t.clamp(f32::MIN, f32::MAX)?;
         }
         Ok(self.processor.sample(&t)?)
     }
@@ -320,6 +323,21 @@ mod tests {
         assert_eq!(s.sample(vec![1.0, 0.9], &[0], &[]).unwrap(), 1);
         let mut s = Sampler::new(&params);
         assert_eq!(s.sample(vec![1.0, 0.9], &[], &[0]).unwrap(), 1);
+    }
+
+    /// A schema-valid penalty just above 0 divides a repeated token's positive logit into
+    /// +inf; sampled at a temperature that made every probability NaN and the request a
+    /// 500. The token is the one to pick: it stays the largest finite logit.
+    #[test]
+    fn a_tiny_repetition_penalty_picks_the_repeated_token_instead_of_failing() {
+        let params = SamplingParams {
+            repetition_penalty: Some(1e-40),
+            temperature: 1.0,
+            seed: Some(1),
+            ..Default::default()
+        };
+        let mut s = Sampler::new(&params);
+        assert_eq!(s.sample(vec![0.5, 5.0, 1.0], &[1], &[]).unwrap(), 1);
     }
 
     #[test]
