@@ -288,7 +288,7 @@ struct Running {
     prefill_only: bool,
     kv: SeqKv,
     prompt: Vec<u32>,
-    /// Keys of the prompt's full pages, published once the prompt is prefilled.
+    /// Keys of the prompt's full pages, until they are published once the prompt is in.
     prefix: Option<PromptKeys>,
     cached_tokens: usize,
     prefilled: usize,
@@ -735,6 +735,7 @@ impl Worker {
                     (kv, cached, cached, None, prefill_only)
                 }
                 Err(e) => {
+                    self.metrics.reject(&self.model.name, e.code());
                     let _ = job.events.send(GenEvent::Error(e));
                     return;
                 }
@@ -937,8 +938,8 @@ impl Worker {
                         r.prefilled = *b;
                         // The prompt is in: its full pages become reusable by its namespace.
                         if r.prefilled == r.prompt.len()
-                            && let Some(keys) = &r.prefix
-                            && let Err(e) = self.pool.publish_prefix(&r.kv, keys, &r.prompt)
+                            && let Some(keys) = r.prefix.take()
+                            && let Err(e) = self.pool.publish_prefix(&r.kv, &keys, &r.prompt)
                         {
                             finished.push((*i, Outcome::Failed(e)));
                             continue;

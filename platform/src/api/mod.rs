@@ -68,6 +68,11 @@ pub enum OneOrMany {
 
 /// A schema written as JSON, for the few wire types whose constraints utoipa's derive cannot
 /// express (untagged unions with bounds).
+/// The `tool_choice` field's schema, the same on both surfaces.
+pub(crate) fn tool_choice_field() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    json_schema(tool_choice_schema())
+}
+
 pub(crate) fn json_schema(
     v: serde_json::Value,
 ) -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {

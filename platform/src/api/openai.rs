@@ -116,10 +116,6 @@ fn tools_field() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
     super::json_schema(super::tools_schema(false))
 }
 
-fn tool_choice_field() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
-    super::json_schema(super::tool_choice_schema())
-}
-
 impl utoipa::PartialSchema for OpenAiMessage {
     fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
         let content =
@@ -175,7 +171,7 @@ pub struct ChatRequest {
     /// Functions the model may call; every call's arguments are held to their schema.
     #[schema(schema_with = tools_field)]
     pub tools: Option<Value>,
-    #[schema(schema_with = tool_choice_field)]
+    #[schema(schema_with = super::tool_choice_field)]
     pub tool_choice: Option<Value>,
     /// Up to 8 calls in one answer (the default) or 1.
     pub parallel_tool_calls: Option<bool>,

@@ -66,7 +66,7 @@ pub struct TextGenerationInput {
     #[schema(schema_with = tools_field)]
     pub tools: Option<Value>,
     /// As on the OpenAI API: `auto` (the default), `none`, `required` or a tool by name.
-    #[schema(schema_with = tool_choice_field)]
+    #[schema(schema_with = super::tool_choice_field)]
     pub tool_choice: Option<Value>,
     /// Splits the tenant's prefix cache: only requests with the same salt reuse each other's
     /// cached prompt pages (vLLM's `cache_salt`). It never reaches another tenant's cache.
@@ -85,10 +85,6 @@ fn response_format_field() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Sc
 
 fn tools_field() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
     super::json_schema(super::tools_schema(true))
-}
-
-fn tool_choice_field() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
-    super::json_schema(super::tool_choice_schema())
 }
 
 /// A stop sequence: 1 to 64 characters.

@@ -52,6 +52,12 @@ impl Owner {
             salt: self.cache_salt.clone(),
         }
     }
+
+    /// Whether `namespace` is this sequence's ([`Owner::namespace`] without building it: the
+    /// page check runs for every page of every layer of every step).
+    fn in_namespace(&self, namespace: &CacheNamespace) -> bool {
+        *namespace.tenant == *self.tenant && namespace.salt == self.cache_salt
+    }
 }
 
 /// Whom a page belongs to while allocated: one request, or (a published prefix page) every
@@ -709,11 +715,7 @@ impl KvPool {
             tag.epoch == page.epoch
                 && match &tag.owner {
                     TagOwner::Request(o) => o == seq_owner,
-                    TagOwner::Cache(ns) => {
-                        access == Access::Read
-                            && *ns.tenant == *seq_owner.tenant
-                            && ns.salt == seq_owner.cache_salt
-                    }
+                    TagOwner::Cache(ns) => access == Access::Read && seq_owner.in_namespace(ns),
                 }
         });
         if allowed {
