@@ -13,11 +13,18 @@
 //! neither loses nor double-counts. A segment is closed once it passes
 //! [`SEGMENT_BYTES`], so a new file (and the directory sync it needs) is rare.
 //!
+//! Segments are preallocated (PostgreSQL does the same with its WAL): a helper thread keeps
+//! a `spare` file of zeros, written and synced ahead, which the next segment is renamed from.
+//! Lines then overwrite blocks that already exist, so each group's `fdatasync` flushes data
+//! only, never the file's size or extents (on ext4 it skips the journal commit: about a
+//! third less time per sync here). A segment's entries end at its first zero byte.
+//!
 //! A replica owns its journal directory through an exclusive lock on `LOCK`; its id (in
 //! `ID`) keys the watermark, so replicas sharing a database never confuse their journals.
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -29,6 +36,12 @@ use crate::store::{UsageCounts, UsageKey};
 
 /// A segment is closed, and the next entry starts a new one, past this size.
 pub const SEGMENT_BYTES: u64 = 8 << 20;
+
+/// The zeros a spare segment is made of: a segment's size with room for its last line.
+pub const PREALLOCATED_BYTES: u64 = SEGMENT_BYTES + (64 << 10);
+
+/// The preallocated file the next segment is renamed from.
+const SPARE: &str = "spare";
 
 /// How far a request's usage is written before its answer ends (`usage_sync` in the serve
 /// config). Either way it survives the process: a crash, `kill -9`, an OOM kill.
@@ -127,6 +140,8 @@ struct State {
 struct Shared {
     state: Mutex<State>,
     wake: Condvar,
+    /// A thread is writing the next spare segment.
+    preparing_spare: std::sync::atomic::AtomicBool,
 }
 
 /// The open journal of this replica.
@@ -187,6 +202,7 @@ impl UsageJournal {
             shared: Arc::new(Shared {
                 state: Mutex::new(State::default()),
                 wake: Condvar::new(),
+                preparing_spare: Default::default(),
             }),
             syncer: Mutex::new(None),
             lock: Mutex::new(Some(lock)),
@@ -204,19 +220,12 @@ impl UsageJournal {
         let mut torn_lines = 0;
         let mut last_seq = 0;
         for (_, path) in segments(&self.dir).map_err(|e| io_error("listing", e))? {
-            let file = File::open(&path).map_err(|e| io_error("opening a segment", e))?;
-            let mut reader = BufReader::new(file);
-            let mut line = Vec::new();
-            loop {
-                line.clear();
-                let n = reader
-                    .read_until(b'\n', &mut line)
-                    .map_err(|e| io_error("reading a segment", e))?;
-                if n == 0 {
-                    break;
-                }
-                // A line without its newline, or not an entry, was cut short by a failed or
-                // interrupted write: it was never acknowledged to anyone.
+            let bytes = File::open(&path)
+                .and_then(|f| entry_bytes(&f))
+                .map_err(|e| io_error("reading a segment", e))?;
+            // A line without its newline, or not an entry, was cut short by a failed or
+            // interrupted write: it was never acknowledged to anyone.
+            for line in bytes.split_inclusive(|&b| b == b'\n') {
                 match line
                     .strip_suffix(b"\n")
                     .map(serde_json::from_slice::<Entry>)
@@ -242,6 +251,7 @@ impl UsageJournal {
     /// the sync thread.
     pub fn start(&self, watermark: u64) {
         delete_applied(&self.dir, watermark, &self.shared);
+        prepare_spare_in_background(&self.dir, &self.shared);
         let shared = self.shared.clone();
         let dir = self.dir.clone();
         let sync = self.sync;
@@ -266,7 +276,7 @@ impl UsageJournal {
             let _ = tx.send(Err(JournalError("the journal is closed".into())));
             return rx;
         }
-        if let Err(e) = write_line(&self.dir, &mut st, entry.seq, &line) {
+        if let Err(e) = write_line(&self.dir, &self.shared, &mut st, entry.seq, &line) {
             tracing::error!("{e}");
             let _ = tx.send(Err(e));
             return rx;
@@ -365,30 +375,108 @@ struct Open {
 }
 
 impl Open {
-    /// Open (or create) the segment starting at `first_seq`. Its name is durable once the
-    /// directory is synced, which the sync thread does before it acknowledges any entry.
-    fn create(dir: &Path, first_seq: u64) -> Result<Open, JournalError> {
+    /// Open the segment starting at `first_seq`: the file of that name where there is one
+    /// (written up to its first zero byte), else the spare renamed to it, else a new empty
+    /// file. Its name is durable once the directory is synced, which the sync thread does
+    /// before it acknowledges any entry. Says whether it took the spare.
+    fn create(dir: &Path, first_seq: u64) -> Result<(Open, bool), JournalError> {
         let path = dir.join(format!("{first_seq:020}.log"));
+        let took_spare = !path.exists() && std::fs::rename(dir.join(SPARE), &path).is_ok();
         let file = OpenOptions::new()
             .create(true)
-            .append(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
             .open(&path)
             .map_err(|e| io_error("opening a segment", e))?;
-        let len = file.metadata().map_err(|e| io_error("stat", e))?.len();
-        Ok(Open {
+        let len = if took_spare {
+            0
+        } else {
+            entry_bytes(&file)
+                .map_err(|e| io_error("reading a segment", e))?
+                .len() as u64
+        };
+        let open = Open {
             first_seq,
             file: Arc::new(file),
             len,
             torn: false,
             failed: false,
-        })
+        };
+        Ok((open, took_spare))
+    }
+}
+
+/// The part of a segment that holds entries: its bytes up to the first zero byte (the rest
+/// is preallocated, never written) or its end. Read in pieces, never past that zero (a
+/// device such as `/dev/full` reads as zeros without end).
+fn entry_bytes(segment: &File) -> std::io::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut piece = vec![0u8; 64 << 10];
+    loop {
+        let n = segment.read_at(&mut piece, out.len() as u64)?;
+        let read = &piece[..n];
+        if let Some(zero) = read.iter().position(|&b| b == 0) {
+            out.extend_from_slice(&read[..zero]);
+            return Ok(out);
+        }
+        if n == 0 {
+            return Ok(out);
+        }
+        out.extend_from_slice(read);
+    }
+}
+
+/// Write the next spare segment (zeros, synced, then renamed into place) on a thread of its
+/// own, unless one is there or being written: the sync thread never waits for it.
+fn prepare_spare_in_background(dir: &Path, shared: &Arc<Shared>) {
+    use std::sync::atomic::Ordering;
+    let spare = dir.join(SPARE);
+    if std::fs::metadata(&spare).is_ok_and(|m| m.len() == PREALLOCATED_BYTES)
+        || shared.preparing_spare.swap(true, Ordering::AcqRel)
+    {
+        return;
+    }
+    let done = shared.clone();
+    let dir = dir.to_path_buf();
+    let spawned = std::thread::Builder::new()
+        .name("usage-journal-spare".into())
+        .spawn(move || {
+            let partial = dir.join(format!("{SPARE}.{}.partial", uuid::Uuid::new_v4()));
+            let zeros = vec![0u8; 1 << 20];
+            let written = (|| {
+                let mut f = File::create(&partial)?;
+                let mut left = PREALLOCATED_BYTES;
+                while left > 0 {
+                    let n = left.min(zeros.len() as u64) as usize;
+                    f.write_all(&zeros[..n])?;
+                    left -= n as u64;
+                }
+                f.sync_all()?;
+                std::fs::rename(&partial, dir.join(SPARE))
+            })();
+            if let Err(e) = written {
+                // The next segment then grows as it is written: slower syncs, nothing lost.
+                tracing::warn!("usage journal: preparing a spare segment: {e}");
+                let _ = std::fs::remove_file(&partial);
+            }
+            done.preparing_spare.store(false, Ordering::Release);
+        });
+    if spawned.is_err() {
+        shared.preparing_spare.store(false, Ordering::Release);
     }
 }
 
 /// Append one line (entry `seq`) to the open segment, starting a new one past
 /// [`SEGMENT_BYTES`]. A failure cuts off whatever was half written, so the next line starts
 /// whole (or, when even that fails, ends the torn line with the next write's first byte).
-fn write_line(dir: &Path, st: &mut State, seq: u64, line: &[u8]) -> Result<(), JournalError> {
+fn write_line(
+    dir: &Path,
+    shared: &Arc<Shared>,
+    st: &mut State,
+    seq: u64,
+    line: &[u8],
+) -> Result<(), JournalError> {
     if st.open.as_ref().is_some_and(|o| o.len >= SEGMENT_BYTES) {
         // Closed; the sync thread syncs it with the next group. This entry starts the next.
         let full = st.open.take().expect("checked above");
@@ -396,19 +484,24 @@ fn write_line(dir: &Path, st: &mut State, seq: u64, line: &[u8]) -> Result<(), J
     }
     if let Some(o) = st.open.as_mut().filter(|o| o.failed) {
         let torn = o.torn;
-        *o = Open::create(dir, o.first_seq)?;
+        *o = Open::create(dir, o.first_seq)?.0;
         o.torn = torn && o.len > 0;
         st.dir_dirty = true;
     }
     if st.open.is_none() {
-        st.open = Some(Open::create(dir, seq)?);
+        let (open, took_spare) = Open::create(dir, seq)?;
+        st.open = Some(open);
         st.dir_dirty = true;
+        if took_spare {
+            prepare_spare_in_background(dir, shared);
+        }
     }
     let o = st.open.as_mut().expect("opened above");
     let newline: &[u8] = if o.torn { b"\n" } else { b"" };
-    let written = (&*o.file)
-        .write_all(newline)
-        .and_then(|()| (&*o.file).write_all(line))
+    let written = o
+        .file
+        .write_all_at(newline, o.len)
+        .and_then(|()| o.file.write_all_at(line, o.len + newline.len() as u64))
         .map_err(|e| io_error("write", e));
     match written {
         Ok(()) => {
@@ -417,6 +510,8 @@ fn write_line(dir: &Path, st: &mut State, seq: u64, line: &[u8]) -> Result<(), J
             Ok(())
         }
         Err(e) => {
+            // Cut back to the last whole line (which also gives up the preallocation: a
+            // failed disk is no place to keep it).
             o.torn = o.file.set_len(o.len).is_err();
             o.failed = true;
             Err(e)

@@ -535,12 +535,19 @@ async fn a_journal_replays_what_the_database_lacks_exactly_once() {
         .filter(|n| n.ends_with(".log"))
         .max()
         .unwrap();
-    use std::io::Write;
-    std::fs::OpenOptions::new()
-        .append(true)
-        .open(dir.join(newest))
-        .unwrap()
-        .write_all(b"{\"t\":\"t\",\"m\":")
+    // Written where the entries end: at the first zero byte of a preallocated segment.
+    use std::os::unix::fs::FileExt;
+    let segment = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join(&newest))
+        .unwrap();
+    // (A segment made before the first spare was ready has no zeros: its end.)
+    let bytes = std::fs::read(dir.join(&newest)).unwrap();
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    assert!(end > 0, "the segment holds the entries");
+    segment
+        .write_all_at(b"{\"t\":\"t\",\"m\":", end as u64)
         .unwrap();
 
     // Restart: the two unflushed requests are replayed, with the same journal id.
@@ -604,6 +611,68 @@ fn segments(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
             (p, bytes)
         })
         .collect()
+}
+
+/// Segments are renamed from a spare of zeros written ahead, so a group's `fdatasync` only
+/// flushes data: the entries end at the first zero, and a restart appends nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn segments_are_preallocated_and_entries_end_at_the_first_zero() {
+    let dir = data_dir("prealloc").join("journal");
+    let journal = UsageJournal::open(&dir, SyncMode::Fdatasync).unwrap();
+    let meter = UsageMeter::with_journal(journal, 0).unwrap();
+    let spare = dir.join("spare");
+    for _ in 0..400 {
+        if spare.exists() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(25));
+    }
+    assert!(spare.exists(), "a spare segment is written at start");
+    for i in 0..3 {
+        meter
+            .record("t", EMBED, Tokens::new(5 + i, 0), None)
+            .await
+            .unwrap();
+    }
+    let (path, bytes) = segments(&dir).pop().unwrap();
+    assert_eq!(
+        bytes.len() as u64,
+        bulkhead_platform::usage_journal::PREALLOCATED_BYTES,
+        "{} was the spare",
+        path.display()
+    );
+    let written = bytes.iter().position(|&b| b == 0).unwrap();
+    assert_eq!(bytes[..written].iter().filter(|&&b| b == b'\n').count(), 3);
+    assert!(bytes[written..].iter().all(|&b| b == 0));
+    meter.close();
+    drop(meter);
+
+    // A restart reads the three entries (and nothing of the zeros), and its own entries go
+    // to a segment of their own.
+    let journal = UsageJournal::open(&dir, SyncMode::Fdatasync).unwrap();
+    let recovered = journal.recover(0).unwrap();
+    assert_eq!(
+        recovered
+            .entries
+            .iter()
+            .map(|e| e.input_tokens)
+            .collect::<Vec<_>>(),
+        [5, 6, 7]
+    );
+    assert_eq!((recovered.last_seq, recovered.torn_lines), (3, 0));
+    let meter = UsageMeter::with_journal(journal, 0).unwrap();
+    meter
+        .record("t", EMBED, Tokens::new(8, 0), None)
+        .await
+        .unwrap();
+    meter.close();
+    drop(meter);
+    let journal = UsageJournal::open(&dir, SyncMode::Fdatasync).unwrap();
+    let recovered = journal.recover(0).unwrap();
+    assert_eq!(
+        recovered.entries.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        [1, 2, 3, 4]
+    );
 }
 
 #[test]
