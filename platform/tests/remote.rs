@@ -68,6 +68,7 @@ async fn a_registered_node_is_routed_to_and_its_errors_keep_their_meaning() {
         embedding_models: vec![EmbeddingModelConfig {
             name: MINILM_NAME.into(),
             dir: None,
+            weights: Default::default(),
         }],
         ..NodeConfig::default()
     };
@@ -306,6 +307,7 @@ async fn with_redis_every_replica_routes_to_a_node_that_heartbeats_to_one_of_the
         embedding_models: vec![EmbeddingModelConfig {
             name: MINILM_NAME.into(),
             dir: None,
+            weights: Default::default(),
         }],
         ..NodeConfig::default()
     };

@@ -8,10 +8,11 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 
 use crate::admission::{DEFAULT_SAFETY_FACTOR, ServedModel, check_pool_fits};
+use crate::embed_queue::EmbedQueue;
 use crate::engine::{Engine, EngineConfig, TextModel};
 use crate::kv::KvPool;
 use crate::metrics::NodeMetrics;
-use crate::models::bert::BertEmbedder;
+use crate::models::encoder::{Encoder, EncoderWeights};
 use crate::models::fetch::{MINILM, SMOLLM2, default_cache_dir};
 use crate::models::llama::{LlamaModel, WeightFormat};
 use crate::models::tokenizer::TextTokenizer;
@@ -79,6 +80,9 @@ pub struct EmbeddingModelConfig {
     pub name: String,
     /// Directory with model.safetensors, config.json, tokenizer.json; default: bundled MiniLM.
     pub dir: Option<PathBuf>,
+    /// `"int8"` (default: re-quantized at load, the fast path) or `"f32"` (as stored).
+    #[serde(default)]
+    pub weights: EncoderWeights,
 }
 
 /// Configuration of a node (TOML, e.g. `bulkhead node --config node.toml`).
@@ -95,8 +99,6 @@ pub struct NodeConfig {
     pub safety_factor: f64,
     pub models_dir: Option<PathBuf>,
     pub engine: EngineConfig,
-    /// Embedding batches computed at once.
-    pub embed_concurrency: usize,
     pub text_models: Vec<TextModelConfig>,
     pub embedding_models: Vec<EmbeddingModelConfig>,
     /// KV transfer between prefill and decode nodes.
@@ -121,7 +123,6 @@ impl Default for NodeConfig {
             safety_factor: DEFAULT_SAFETY_FACTOR,
             models_dir: None,
             engine: EngineConfig::default(),
-            embed_concurrency: 1,
             text_models: vec![TextModelConfig {
                 name: SMOLLM2_NAME.into(),
                 path: None,
@@ -132,6 +133,7 @@ impl Default for NodeConfig {
             embedding_models: vec![EmbeddingModelConfig {
                 name: MINILM_NAME.into(),
                 dir: None,
+                weights: EncoderWeights::default(),
             }],
             transfer: TransferConfig::default(),
             api_token: None,
@@ -156,8 +158,7 @@ pub struct Node {
     pub gpus: Vec<crate::device::GpuInfo>,
     pub safety_factor: f64,
     pub text: BTreeMap<String, Arc<Engine>>,
-    pub embed: BTreeMap<String, Arc<BertEmbedder>>,
-    pub embed_permits: Arc<tokio::sync::Semaphore>,
+    pub embed: BTreeMap<String, Arc<EmbedQueue>>,
     pub metrics: Arc<NodeMetrics>,
     pub transfer: TransferConfig,
     /// Prefill role: where prefilled requests go to be decoded.
@@ -289,9 +290,12 @@ impl Node {
                     dir.display()
                 );
             }
-            let e = BertEmbedder::load(&dir, &device)
+            let e = Encoder::load(&dir, m.weights)
                 .with_context(|| format!("loading {}", dir.display()))?;
-            embed.insert(m.name.clone(), Arc::new(e));
+            embed.insert(
+                m.name.clone(),
+                Arc::new(EmbedQueue::start(Arc::new(e), &m.name)),
+            );
         }
         Ok(Node {
             role: cfg.role,
@@ -299,7 +303,6 @@ impl Node {
             safety_factor: cfg.safety_factor,
             text,
             embed,
-            embed_permits: Arc::new(tokio::sync::Semaphore::new(cfg.embed_concurrency.max(1))),
             metrics,
             transfer: cfg.transfer.clone(),
             decode_peers: Arc::new(DecodePeers::new(cfg.transfer.peers.clone())),
@@ -311,34 +314,25 @@ impl Node {
     }
 
     /// Admit and embed `texts` with the embedding model `model`: (vectors, input tokens).
-    /// Batches run on a blocking thread, a bounded number at a time.
+    /// Texts are tokenized on a blocking thread, then embedded in the model's next batch
+    /// (`embed_queue`), with whatever other requests are waiting.
     pub async fn embed(
         &self,
         model: &str,
         texts: Vec<String>,
     ) -> Result<(Vec<Vec<f32>>, usize), crate::error::RuntimeError> {
         use crate::error::RuntimeError;
-        let embedder = self
+        let queue = self
             .embed
             .get(model)
             .cloned()
             .ok_or_else(|| RuntimeError::UnknownModel(model.to_string()))?;
-        let permit = self
-            .embed_permits
-            .clone()
-            .acquire_owned()
+        let admitting = queue.clone();
+        let seqs = tokio::task::spawn_blocking(move || admitting.encoder().admit(&texts))
             .await
-            .map_err(|e| RuntimeError::Internal(e.to_string()))?;
-        let (data, tokens) = tokio::task::spawn_blocking(move || {
-            let _permit = permit;
-            let counts = embedder.admit(&texts)?;
-            // On a rayon worker, so candle's parallel matmuls start there instead of handing
-            // off to the pool and sleeping once each (see the engine's step).
-            let data = rayon::scope(|_| embedder.embed(&texts))?;
-            Ok::<_, RuntimeError>((data, counts.iter().sum::<usize>()))
-        })
-        .await
-        .map_err(|e| RuntimeError::Internal(e.to_string()))??;
+            .map_err(|e| RuntimeError::Internal(e.to_string()))??;
+        let tokens = seqs.iter().map(Vec::len).sum::<usize>();
+        let data = queue.embed(seqs).await?;
         self.metrics
             .embeddings
             .get_or_create(&crate::metrics::label(model))

@@ -195,10 +195,10 @@ pub fn node_state(node: &Node) -> NodeState {
     models.extend(node.embed.iter().map(|(name, e)| ModelState {
         name: name.clone(),
         task: "text-embeddings".into(),
-        context_window: e.max_tokens,
+        context_window: e.encoder().max_tokens,
         pool: None,
         kv_layout: None,
-        queue_depth: 0,
+        queue_depth: e.queue_depth(),
         running: 0,
     }));
     NodeState {

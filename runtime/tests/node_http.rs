@@ -40,6 +40,7 @@ impl TestNode {
             embedding_models: vec![EmbeddingModelConfig {
                 name: MINILM_NAME.into(),
                 dir: None,
+                weights: Default::default(),
             }],
             ..NodeConfig::default()
         };

@@ -7,7 +7,9 @@
 //! - `dot`: tile dot products, AVX2 (`_mm256_maddubs_epi16`, as ggml) with a scalar fallback;
 //! - `matmul`: `QWeight` and the parallel `y = x W^T` over rayon's pool.
 //! - `ops`: RMSNorm, rope, SiLU, residual adds on f32 rows;
-//! - `attention`: one query token's causal attention over KV page slices.
+//! - `attention`: one query token's causal attention over KV page slices;
+//! - `encoder`: a BERT encoder's LayerNorm, GELU, packed bidirectional attention and f32
+//!   matmul.
 //!
 //! Everything `unsafe` in the crate lives here, each use with its `SAFETY:` reason.
 
@@ -18,6 +20,7 @@ pub mod amx;
 pub mod attention;
 pub mod blocks;
 pub mod dot;
+pub mod encoder;
 pub mod matmul;
 pub mod ops;
 

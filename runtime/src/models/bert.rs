@@ -1,5 +1,6 @@
-//! Sentence embeddings with a BERT encoder (all-MiniLM-L6-v2): mean pooling over the attention
-//! mask, then L2 normalisation, as sentence-transformers does for this model.
+//! candle's BERT (all-MiniLM-L6-v2) with mean pooling over the attention mask and L2
+//! normalisation, as sentence-transformers does: the oracle the tests and the embeddings
+//! bench compare `models::encoder` (what nodes serve) with.
 
 use std::path::Path;
 
@@ -8,10 +9,7 @@ use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{BertModel, Config};
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer};
 
-use crate::error::{AdmissionError, RuntimeError};
-
-/// Most texts one embeddings request may carry (as Workers AI).
-pub const MAX_BATCH: usize = 100;
+use crate::error::RuntimeError;
 
 pub struct BertEmbedder {
     model: BertModel,
@@ -65,39 +63,8 @@ impl BertEmbedder {
         })
     }
 
-    /// Tokens each text takes, special tokens included; used for admission and usage.
-    pub fn count_tokens(&self, texts: &[String]) -> Result<Vec<usize>, RuntimeError> {
-        let mut counts = Vec::with_capacity(texts.len());
-        for t in texts {
-            let enc = self.tokenizer.encode(t.as_str(), true).map_err(internal)?;
-            counts.push(enc.get_attention_mask().iter().filter(|&&m| m == 1).count());
-        }
-        Ok(counts)
-    }
-
-    /// Check a batch before any work: size, emptiness and each text's token length.
-    pub fn admit(&self, texts: &[String]) -> Result<Vec<usize>, RuntimeError> {
-        if texts.is_empty() {
-            return Err(RuntimeError::BadInput("text must not be empty".into()));
-        }
-        if texts.len() > MAX_BATCH {
-            return Err(RuntimeError::BadInput(format!(
-                "{} texts in one request; the limit is {MAX_BATCH}",
-                texts.len()
-            )));
-        }
-        let counts = self.count_tokens(texts)?;
-        if let Some(&tokens) = counts.iter().max().filter(|&&n| n > self.max_tokens) {
-            return Err(AdmissionError::InputTooLong {
-                tokens,
-                limit: self.max_tokens,
-            }
-            .into());
-        }
-        Ok(counts)
-    }
-
-    /// Embed `texts` (already admitted): `[texts.len()][dims]`, each L2-normalised.
+    /// Embed `texts` (at most 512 tokens each, unchecked: the oracle serves no requests):
+    /// `[texts.len()][dims]`, each L2-normalised.
     pub fn embed(&self, texts: &[String]) -> Result<Vec<Vec<f32>>, RuntimeError> {
         let encs = self
             .tokenizer
