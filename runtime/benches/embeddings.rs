@@ -3,9 +3,9 @@
 //! included), for the int8 path nodes serve, the f32 path, and candle's BERT (what nodes ran
 //! before; the tests' oracle).
 //!
-//! `cargo bench -p bulkhead-runtime --bench embeddings -- TEXTS.json` prints one JSON line
-//! per path. `TEXTS.json` is `{"short": text, "batch": [32 texts]}`
-//! (`e2e/bench/embedding_texts.json`); `e2e/bench/embeddings.sh` runs this and ONNX Runtime on
+//! `cargo bench -p bulkhead-runtime --bench embeddings [-- TEXTS.json]` prints one JSON line
+//! per path. `TEXTS.json` is `{"short": text, "batch": [32 texts]}` (default:
+//! `e2e/bench/embedding_texts.json`); `e2e/bench/embeddings.sh` runs this and ONNX Runtime on
 //! the same texts at 1 and 2 threads. Threads: `RAYON_NUM_THREADS`; `EMBED_BENCH_PATHS`
 //! (e.g. `int8`) runs only the paths named.
 
@@ -21,10 +21,22 @@ const ROUNDS: usize = 300;
 const BATCH_ROUNDS: usize = 30;
 
 fn main() {
+    if !std::env::args().any(|a| a == "--bench") {
+        println!(
+            "embeddings benchmark: run it with `cargo bench -p bulkhead-runtime --bench embeddings`"
+        );
+        return;
+    }
     let path = std::env::args()
         .skip(1)
         .find(|a| a.ends_with(".json"))
-        .expect("usage: embeddings TEXTS.json");
+        .unwrap_or_else(|| {
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../e2e/bench/embedding_texts.json"
+            )
+            .into()
+        });
     let texts: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let short = vec![texts["short"].as_str().unwrap().to_string()];
