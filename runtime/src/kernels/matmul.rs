@@ -261,19 +261,27 @@ impl QWeight {
 
     /// `y[t, n] = x[t, k] * W^T`. `y` is overwritten.
     pub fn matmul(&self, x: &[f32], t: usize, y: &mut [f32]) {
-        self.matmul_on(x, t, y, amx_path::enabled())
+        self.matmul_into(x, t, y, &mut Vec::new())
     }
 
-    /// [`Self::matmul`], with the AMX tiles allowed or not (they are used only where the CPU
-    /// has them, for 16 activation rows or more).
-    fn matmul_on(&self, x: &[f32], t: usize, y: &mut [f32], amx: bool) {
+    /// [`Self::matmul`] with the quantized activations in `acts`, a buffer the caller keeps
+    /// from call to call (so the call allocates nothing once it is large enough).
+    pub fn matmul_into(&self, x: &[f32], t: usize, y: &mut [f32], acts: &mut Vec<BlockQ8_1>) {
+        self.matmul_on(x, t, y, amx_path::enabled(), acts)
+    }
+
+    /// [`Self::matmul_into`], with the AMX tiles allowed or not (they are used only where the
+    /// CPU has them, for 16 activation rows or more).
+    fn matmul_on(&self, x: &[f32], t: usize, y: &mut [f32], amx: bool, acts: &mut Vec<BlockQ8_1>) {
         assert_eq!(x.len(), t * self.k, "x is not [{t}, {}]", self.k);
         assert_eq!(y.len(), t * self.n, "y is not [{t}, {}]", self.n);
         if t == 0 {
             return;
         }
         let kb = self.k / QK;
-        let mut acts = vec![BlockQ8_1::ZERO; t * kb];
+        // Every block is written below before it is read.
+        acts.resize(t * kb, BlockQ8_1::ZERO);
+        let acts = &mut acts[..t * kb];
         if t >= 8 {
             acts.par_chunks_mut(kb)
                 .zip(x.par_chunks(self.k))
@@ -284,10 +292,10 @@ impl QWeight {
             }
         }
         match &self.blocks {
-            Blocks::Q4_1(b) => run(b, self.n, kb, &acts, t, y),
-            Blocks::Q4_1x8(g) => run_x8(g, self.n, kb, &acts, t, y, amx),
-            Blocks::Q8_0(b) => run(b, self.n, kb, &acts, t, y),
-            Blocks::Q8_0x8(g) => run_x8(g, self.n, kb, &acts, t, y, amx),
+            Blocks::Q4_1(b) => run(b, self.n, kb, acts, t, y),
+            Blocks::Q4_1x8(g) => run_x8(g, self.n, kb, acts, t, y, amx),
+            Blocks::Q8_0(b) => run(b, self.n, kb, acts, t, y),
+            Blocks::Q8_0x8(g) => run_x8(g, self.n, kb, acts, t, y, amx),
         }
     }
 }
@@ -862,8 +870,8 @@ mod tests {
             let x: Vec<f32> = (0..t * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
             for w in [&q4, &q8] {
                 let (mut avx, mut amx) = (vec![f32::NAN; t * n], vec![f32::NAN; t * n]);
-                w.matmul_on(&x, t, &mut avx, false);
-                w.matmul_on(&x, t, &mut amx, true);
+                w.matmul_on(&x, t, &mut avx, false, &mut Vec::new());
+                w.matmul_on(&x, t, &mut amx, true, &mut Vec::new());
                 for (i, (a, b)) in avx.iter().zip(&amx).enumerate() {
                     assert_eq!(
                         a.to_bits(),

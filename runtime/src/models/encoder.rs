@@ -5,8 +5,9 @@
 //! re-quantized to int8 at load, Q8_0: one f32 scale per 32 weights; activations quantized
 //! per row per call), or in f32 through the gemm crate (`weights = "f32"`, the reference).
 //! A batch is packed, not padded (see `kernels::encoder`): texts of different lengths cost
-//! only their own tokens. Every buffer of the forward lives in a [`Scratch`] the caller keeps,
-//! so the request path does not allocate per layer. The candle model in `models::bert` is the
+//! only their own tokens. Every buffer of the forward (the matmuls' quantized activations
+//! too) lives in a [`Scratch`] the caller keeps, so the request path does not allocate per
+//! layer. The candle model in `models::bert` is the
 //! oracle the tests compare with.
 
 use std::collections::HashMap;
@@ -18,6 +19,7 @@ use tokenizers::Tokenizer;
 
 use crate::error::{AdmissionError, RuntimeError};
 use crate::kernels::QWeight;
+use crate::kernels::blocks::BlockQ8_1;
 use crate::kernels::encoder::{add_bias, attend_packed, bias_gelu, layer_norm, matmul_f32};
 
 /// Most texts one embeddings request may carry (as Workers AI).
@@ -72,10 +74,11 @@ impl Linear {
         self.bias.len()
     }
 
-    /// `y[t, n] = x[t, k] W^T` without the bias (the caller fuses it with what follows).
-    fn matmul(&self, x: &[f32], t: usize, y: &mut [f32]) {
+    /// `y[t, n] = x[t, k] W^T` without the bias (the caller fuses it with what follows);
+    /// `acts` holds the int8 path's quantized activations between calls.
+    fn matmul(&self, x: &[f32], t: usize, y: &mut [f32], acts: &mut Vec<BlockQ8_1>) {
         match &self.weight {
-            LinearWeight::Int8(q) => q.matmul(x, t, y),
+            LinearWeight::Int8(q) => q.matmul_into(x, t, y, acts),
             LinearWeight::F32 { w, n, k } => matmul_f32(w, *n, *k, x, t, y),
         }
     }
@@ -105,6 +108,7 @@ pub struct Scratch {
     proj: Vec<f32>,
     up: Vec<f32>,
     starts: Vec<usize>,
+    acts: Vec<BlockQ8_1>,
 }
 
 /// Resize without caring for the old contents (every user overwrites the whole buffer).
@@ -367,17 +371,17 @@ impl Encoder {
         let h = self.dims;
         let x = &mut s.x[..rows * h];
         let qkv = sized(&mut s.qkv, rows * l.qkv.n());
-        l.qkv.matmul(x, rows, qkv);
+        l.qkv.matmul(x, rows, qkv, &mut s.acts);
         by_rows(qkv, l.qkv.n(), |r| add_bias(r, &l.qkv.bias));
         let ctx = sized(&mut s.ctx, rows * h);
         attend_packed(qkv, &s.starts, self.heads, ctx);
         let proj = sized(&mut s.proj, rows * h);
-        l.attn_out.matmul(ctx, rows, proj);
+        l.attn_out.matmul(ctx, rows, proj, &mut s.acts);
         self.residual_norm(x, proj, &l.attn_out.bias, &l.attn_norm);
         let up = sized(&mut s.up, rows * l.up.n());
-        l.up.matmul(x, rows, up);
+        l.up.matmul(x, rows, up, &mut s.acts);
         by_rows(up, l.up.n(), |r| bias_gelu(r, &l.up.bias));
-        l.down.matmul(up, rows, proj);
+        l.down.matmul(up, rows, proj, &mut s.acts);
         self.residual_norm(x, proj, &l.down.bias, &l.out_norm);
     }
 
