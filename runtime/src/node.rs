@@ -110,6 +110,9 @@ pub struct NodeConfig {
     pub api_token: Option<crate::node_auth::ApiToken>,
 }
 
+/// Embedding input up to this many bytes is tokenized on the request's own task.
+const INLINE_TOKENIZE_BYTES: usize = 2048;
+
 pub const SMOLLM2_NAME: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
 pub const MINILM_NAME: &str = "@cf/sentence-transformers/all-minilm-l6-v2";
 
@@ -314,7 +317,7 @@ impl Node {
     }
 
     /// Admit and embed `texts` with the embedding model `model`: (vectors, input tokens).
-    /// Texts are tokenized on a blocking thread, then embedded in the model's next batch
+    /// Texts are tokenized (on a blocking thread unless they are short), then embedded in the model's next batch
     /// (`embed_queue`), with whatever other requests are waiting.
     pub async fn embed(
         &self,
@@ -327,10 +330,16 @@ impl Node {
             .get(model)
             .cloned()
             .ok_or_else(|| RuntimeError::UnknownModel(model.to_string()))?;
-        let admitting = queue.clone();
-        let seqs = tokio::task::spawn_blocking(move || admitting.encoder().admit(&texts))
-            .await
-            .map_err(|e| RuntimeError::Internal(e.to_string()))??;
+        // A few short texts tokenize in microseconds: on this task, without two thread
+        // hand-offs; longer input on a blocking thread, off the async workers.
+        let seqs = if texts.iter().map(String::len).sum::<usize>() <= INLINE_TOKENIZE_BYTES {
+            queue.encoder().admit(&texts)?
+        } else {
+            let admitting = queue.clone();
+            tokio::task::spawn_blocking(move || admitting.encoder().admit(&texts))
+                .await
+                .map_err(|e| RuntimeError::Internal(e.to_string()))??
+        };
         let tokens = seqs.iter().map(Vec::len).sum::<usize>();
         let data = queue.embed(seqs).await?;
         self.metrics
