@@ -251,6 +251,7 @@ impl UsageJournal {
     /// the sync thread.
     pub fn start(&self, watermark: u64) {
         delete_applied(&self.dir, watermark, &self.shared);
+        delete_partial_spares(&self.dir);
         prepare_spare_in_background(&self.dir, &self.shared);
         let shared = self.shared.clone();
         let dir = self.dir.clone();
@@ -424,6 +425,20 @@ fn entry_bytes(segment: &File) -> std::io::Result<Vec<u8>> {
             return Ok(out);
         }
         out.extend_from_slice(read);
+    }
+}
+
+/// Delete spares a crash left half written (each is its own `spare.{uuid}.partial`).
+fn delete_partial_spares(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(SPARE) && name.ends_with(".partial") {
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 

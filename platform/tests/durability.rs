@@ -618,6 +618,10 @@ fn segments(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn segments_are_preallocated_and_entries_end_at_the_first_zero() {
     let dir = data_dir("prealloc").join("journal");
+    // A spare a crash left half written is deleted at start.
+    std::fs::create_dir_all(&dir).unwrap();
+    let stale = dir.join("spare.0b7e.partial");
+    std::fs::write(&stale, [0u8; 4096]).unwrap();
     let journal = UsageJournal::open(&dir, SyncMode::Fdatasync).unwrap();
     let meter = UsageMeter::with_journal(journal, 0).unwrap();
     let spare = dir.join("spare");
@@ -628,6 +632,7 @@ async fn segments_are_preallocated_and_entries_end_at_the_first_zero() {
         std::thread::sleep(std::time::Duration::from_millis(25));
     }
     assert!(spare.exists(), "a spare segment is written at start");
+    assert!(!stale.exists(), "the half-written spare is gone");
     for i in 0..3 {
         meter
             .record("t", EMBED, Tokens::new(5 + i, 0), None)
