@@ -317,8 +317,8 @@ impl Node {
     }
 
     /// Admit and embed `texts` with the embedding model `model`: (vectors, input tokens).
-    /// Texts are tokenized (on a blocking thread unless they are short), then embedded in the model's next batch
-    /// (`embed_queue`), with whatever other requests are waiting.
+    /// Texts are tokenized (on a blocking thread unless they are short), then embedded in
+    /// the model's next batch (`embed_queue`), with whatever other requests are waiting.
     pub async fn embed(
         &self,
         model: &str,

@@ -212,6 +212,35 @@ fn over_long_input_and_oversized_batches_are_refused_not_truncated() {
     assert!(matches!(e.admit(&[]), Err(RuntimeError::BadInput(_))));
 }
 
+/// A tokenizer that can give ids past the model's embedding table is refused at load (a
+/// request would otherwise find it), naming both sizes.
+#[test]
+fn a_tokenizer_larger_than_the_embeddings_is_refused_at_load() {
+    let src = common::minilm_dir();
+    let dir = std::env::temp_dir().join(format!("bulkhead-vocab-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        let _ = std::fs::remove_file(dir.join(f));
+        std::os::unix::fs::symlink(src.join(f), dir.join(f)).unwrap();
+    }
+    let mut tok: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("tokenizer.json")).unwrap()).unwrap();
+    tok["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
+            "id": 30522, "content": "[EXTRA]", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true
+        }));
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+    let err = Encoder::load(&dir, EncoderWeights::Int8)
+        .err()
+        .expect("refused");
+    let msg = err.to_string();
+    assert!(msg.contains("30523") && msg.contains("30522"), "{msg}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Concurrent requests share batches, and each gets exactly its own texts' vectors, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_requests_are_batched_and_each_gets_its_own_vectors() {

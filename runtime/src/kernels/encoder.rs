@@ -7,6 +7,7 @@
 
 use rayon::prelude::*;
 
+use super::matmul::OutPtr;
 use super::ops::dot;
 
 /// `out = (x - mean) / sqrt(var + eps) * w + b` per row of `w.len()` (in place).
@@ -100,30 +101,17 @@ pub fn matmul_f32(w: &[f32], n: usize, k: usize, x: &[f32], t: usize, y: &mut [f
     }
 }
 
-/// The context rows, written by tasks that own disjoint (rows, head) blocks.
-#[derive(Clone, Copy)]
-struct CtxPtr(*mut f32);
-// SAFETY: each task writes only the columns of its own head in the rows of its own sequence,
-// and the buffer outlives the parallel section (`attend_packed` borrows it mutably).
-unsafe impl Send for CtxPtr {}
-// SAFETY: as above; no element is written by two tasks, and nobody reads during the call.
-unsafe impl Sync for CtxPtr {}
-
-impl CtxPtr {
-    /// # Safety
-    /// `i` is within the buffer and no other task writes element `i` concurrently.
-    #[inline(always)]
-    unsafe fn write(self, i: usize, v: f32) {
-        // SAFETY: guaranteed by the caller.
-        unsafe { *self.0.add(i) = v }
-    }
-}
-
 /// Bidirectional attention of each packed sequence over its own rows: for the sequence of
 /// rows `starts[s]..starts[s + 1]` and each head, `ctx = softmax(q k^T / sqrt(d)) v`.
 /// `qkv` is `[rows, 3 * hidden]` (Q, K, V side by side), `ctx` is `[rows, hidden]`.
 pub fn attend_packed(qkv: &[f32], starts: &[usize], heads: usize, ctx: &mut [f32]) {
     let rows = *starts.last().expect("starts has the end");
+    // Every sequence's rows lie inside `rows`, one after the other: the writes below stay in
+    // ctx and no two tasks share a row.
+    assert!(
+        starts[0] == 0 && starts.windows(2).all(|w| w[0] <= w[1]),
+        "sequence starts must rise from 0"
+    );
     if rows == 0 {
         return;
     }
@@ -140,7 +128,7 @@ pub fn attend_packed(qkv: &[f32], starts: &[usize], heads: usize, ctx: &mut [f32
     );
     let hd = hidden / heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    let out = CtxPtr(ctx.as_mut_ptr());
+    let out = OutPtr(ctx.as_mut_ptr());
     let task = |(s, h): (usize, usize), scores: &mut Vec<f32>| {
         let (first, end) = (starts[s], starts[s + 1]);
         let len = end - first;
@@ -171,8 +159,9 @@ pub fn attend_packed(qkv: &[f32], starts: &[usize], heads: usize, ctx: &mut [f32
             }
             let inv = 1.0 / sum;
             for (c, &a) in acc.iter().enumerate() {
-                // SAFETY: row i of this task's sequence, column h * hd + c of its own head:
-                // within ctx (checked above) and written by no other task.
+                // SAFETY: row i < rows of this task's sequence (starts rise to rows, asserted
+                // above), column h * hd + c < hidden of its own head: within ctx (its length
+                // is asserted) and written by no other task.
                 unsafe { out.write(i * hidden + h * hd + c, a * inv) };
             }
         }

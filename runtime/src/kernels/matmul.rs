@@ -300,11 +300,12 @@ impl QWeight {
     }
 }
 
-/// The output matrix, written by tasks that own disjoint column ranges.
+/// An output buffer written by parallel tasks that own disjoint parts of it (here column
+/// ranges; in `encoder::attend_packed`, (sequence, head) blocks).
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write through it only at (row, col) pairs of their own column range, and the
-// buffer outlives the parallel section (`run` borrows it mutably for the whole call).
+pub(super) struct OutPtr(pub(super) *mut f32);
+// SAFETY: every user writes through it only at elements of its task's own part, and the
+// buffer outlives the parallel section (the caller borrows it mutably for the whole call).
 unsafe impl Send for OutPtr {}
 // SAFETY: as above; no two tasks touch the same element, and nobody reads during the call.
 unsafe impl Sync for OutPtr {}
@@ -313,7 +314,7 @@ impl OutPtr {
     /// # Safety
     /// `i` is within the buffer and no other task writes element `i` concurrently.
     #[inline(always)]
-    unsafe fn write(self, i: usize, v: f32) {
+    pub(super) unsafe fn write(self, i: usize, v: f32) {
         // SAFETY: guaranteed by the caller.
         unsafe { *self.0.add(i) = v }
     }

@@ -256,6 +256,14 @@ impl Encoder {
         // is packed).
         tokenizer.with_truncation(None).map_err(internal)?;
         tokenizer.with_padding(None);
+        // Every id the tokenizer can give must have an embedding row: refused at load, not
+        // found by a request.
+        if tokenizer.get_vocab_size(true) > vocab {
+            return Err(internal(format!(
+                "tokenizer.json has {} tokens, the model's embeddings {vocab}",
+                tokenizer.get_vocab_size(true)
+            )));
+        }
         Ok(Encoder {
             tokenizer,
             word,
