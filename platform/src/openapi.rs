@@ -245,6 +245,26 @@ fn run_operation(generic: &Value, m: &ModelRecord) -> Option<Value> {
 mod tests {
     use super::*;
 
+    /// The prompt's schema pattern accepts exactly the strings the node serves: those with a
+    /// character other than whitespace as `char::is_whitespace` (the node's `trim`) means it.
+    #[test]
+    fn the_prompt_pattern_is_the_nodes_whitespace_rule() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).unwrap();
+        let pattern =
+            doc["components"]["schemas"]["TextGenerationInput"]["properties"]["prompt"]["pattern"]
+                .as_str()
+                .expect("prompt has a pattern");
+        let re = regex::Regex::new(pattern).unwrap();
+        for c in (0..=0x10ffff).filter_map(char::from_u32) {
+            assert_eq!(
+                re.is_match(&c.to_string()),
+                !c.is_whitespace(),
+                "U+{:04X}",
+                c as u32
+            );
+        }
+    }
+
     fn model(name: &str, task: &str) -> ModelRecord {
         ModelRecord {
             name: name.into(),

@@ -23,8 +23,13 @@ use crate::store::ModelRecord;
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TextGenerationInput {
-    /// Wrapped in the model's chat template as a user turn, unless `raw`.
-    #[schema(min_length = 1)]
+    /// Wrapped in the model's chat template as a user turn, unless `raw`. It must hold a
+    /// character other than whitespace (the pattern lists Unicode's White_Space, Rust's
+    /// `char::is_whitespace`, character by character so every regex dialect reads it alike).
+    #[schema(
+        min_length = 1,
+        pattern = "[^\\t\\n\\u000b\\f\\r \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]"
+    )]
     pub prompt: Option<String>,
     #[schema(min_items = 1, inline)]
     pub messages: Option<Vec<Message>>,

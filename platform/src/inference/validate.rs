@@ -603,9 +603,10 @@ fn tool(surface: Surface, i: usize, t: &serde_json::Value) -> Result<(Tool, Stri
 
 fn check_prompt(surface: Surface, prompt: &PromptInput) -> Result<(), ApiError> {
     match prompt {
-        PromptInput::Text { prompt, .. } if prompt.is_empty() => Err(ApiError::bad_field(
+        // The node refuses a prompt of whitespace alone too: one rule, checked here first.
+        PromptInput::Text { prompt, .. } if prompt.trim().is_empty() => Err(ApiError::bad_field(
             "prompt",
-            "must have at least 1 character",
+            "must hold a character other than whitespace",
         )),
         PromptInput::Text { .. } => Ok(()),
         PromptInput::Messages(messages) => {
@@ -972,6 +973,17 @@ mod tests {
                     PromptInput::Text {
                         prompt: String::new(),
                         raw: false,
+                    },
+                ),
+                "prompt",
+            ),
+            (
+                // Schema-valid before (minLength 1); the node then refused it as empty.
+                TextInput::new(
+                    Surface::WorkersAi,
+                    PromptInput::Text {
+                        prompt: "\u{c}\u{3000} ".into(),
+                        raw: true,
                     },
                 ),
                 "prompt",
