@@ -17,8 +17,8 @@ use bulkhead_runtime::engine::{
 };
 use bulkhead_runtime::kv::KvPool;
 use bulkhead_runtime::metrics::NodeMetrics;
+use bulkhead_runtime::models::decoder::{DecoderModel, WeightFormat};
 use bulkhead_runtime::models::fetch::{SMOLLM2, default_cache_dir, fetch_all};
-use bulkhead_runtime::models::llama::{LlamaModel, WeightFormat};
 use bulkhead_runtime::models::tokenizer::TextTokenizer;
 use bulkhead_runtime::sampling::SamplingParams;
 
@@ -135,8 +135,8 @@ fn main() -> anyhow::Result<()> {
         Ok("native") => WeightFormat::Native,
         _ => WeightFormat::Q8_0,
     };
-    let path = SMOLLM2.path_in(&cache).join(SMOLLM2.files[0].1);
-    let (llama, ct) = LlamaModel::load(&path, format, &candle_core::Device::Cpu)?;
+    let path = SMOLLM2.model_path_in(&cache);
+    let (llama, ct) = DecoderModel::load(&path, format, &candle_core::Device::Cpu)?;
     let tokenizer = TextTokenizer::from_gguf(&ct)?;
     // A prompt of exactly PROMPT_TOKENS tokens: text, tokenized, cut, decoded back.
     let filler =

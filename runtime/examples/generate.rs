@@ -1,10 +1,11 @@
 //! Greedy generation from the command line, for quick checks of a model file:
-//! `cargo run -p bulkhead-runtime --example generate -- [native|q8_0] "prompt"`.
+//! `cargo run -p bulkhead-runtime --example generate -- [native|q8_0] "prompt" [model.gguf]`
+//! (default: the bundled SmolLM2; `RAW=1` skips the chat template).
 
 use bulkhead_runtime::chat::ChatMessage;
 use bulkhead_runtime::kv::{KvPool, Owner};
+use bulkhead_runtime::models::decoder::{DecoderModel, StepSegment, WeightFormat, argmax};
 use bulkhead_runtime::models::fetch::{SMOLLM2, default_cache_dir, fetch_all};
-use bulkhead_runtime::models::llama::{LlamaModel, StepSegment, WeightFormat, argmax};
 use bulkhead_runtime::models::tokenizer::TextTokenizer;
 
 fn main() -> anyhow::Result<()> {
@@ -19,9 +20,18 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or_else(|| "What is the capital of France?".into());
     let cache = default_cache_dir();
     fetch_all(&cache)?;
-    let path = SMOLLM2.path_in(&cache).join(SMOLLM2.files[0].1);
-    let (model, ct) = LlamaModel::load(&path, format, &candle_core::Device::Cpu)?;
+    let path = match args.get(3) {
+        Some(p) => p.into(),
+        None => SMOLLM2.model_path_in(&cache),
+    };
+    let started = std::time::Instant::now();
+    let (model, ct) = DecoderModel::load(&path, format, &candle_core::Device::Cpu)?;
+    let loaded = started.elapsed();
     let tok = TextTokenizer::from_gguf(&ct)?;
+    eprintln!(
+        "model loaded in {loaded:?}, tokenizer in {:?}",
+        started.elapsed() - loaded
+    );
     let text = match std::env::var("RAW") {
         Ok(_) => question.replace("\\n", "\n"),
         Err(_) => tok.apply_chat_template(&[ChatMessage::new("user", question)], &[])?,

@@ -22,14 +22,14 @@ use crate::constraint::{ConstrainedSequence, GrammarCompiler};
 use crate::error::RuntimeError;
 use crate::kv::{KvPool, Owner, PageRef, PrefixHit, PromptKeys, SeqKv, prefix_hashes};
 use crate::metrics::{NodeMetrics, label};
-use crate::models::llama::{LlamaModel, StepSegment};
+use crate::models::decoder::{DecoderModel, StepSegment};
 use crate::models::tokenizer::TextTokenizer;
 use crate::sampling::{Piece, Sampler, SamplingParams, TextStream};
 
 /// A text model ready to serve: weights, tokenizer, and the window it is served with.
 pub struct TextModel {
     pub name: String,
-    pub llama: LlamaModel,
+    pub decoder: DecoderModel,
     pub tokenizer: Arc<TextTokenizer>,
     /// Compiles structured-output constraints over this model's tokens.
     pub grammar: GrammarCompiler,
@@ -42,16 +42,16 @@ pub struct TextModel {
 impl TextModel {
     pub fn new(
         name: String,
-        llama: LlamaModel,
+        decoder: DecoderModel,
         tokenizer: TextTokenizer,
         context_window: usize,
         default_system_prompt: Option<String>,
     ) -> Result<TextModel, RuntimeError> {
         let tokenizer = Arc::new(tokenizer);
-        let grammar = GrammarCompiler::new(tokenizer.clone(), llama.cfg.vocab_size)?;
+        let grammar = GrammarCompiler::new(tokenizer.clone(), decoder.cfg.vocab_size)?;
         Ok(TextModel {
             name,
-            llama,
+            decoder,
             tokenizer,
             grammar,
             context_window,
@@ -889,7 +889,7 @@ impl Worker {
             }
         }
         plan.sort_by_key(|(i, _)| *i);
-        let model = &self.model.llama;
+        let model = &self.model.decoder;
         let pool = &*self.pool;
         let mut segments: Vec<StepSegment<'_>> = Vec::with_capacity(plan.len());
         let mut planned = plan.iter().peekable();

@@ -12,9 +12,9 @@ use crate::embed_queue::EmbedQueue;
 use crate::engine::{Engine, EngineConfig, TextModel};
 use crate::kv::KvPool;
 use crate::metrics::NodeMetrics;
+use crate::models::decoder::{DecoderModel, WeightFormat};
 use crate::models::encoder::{Encoder, EncoderWeights};
-use crate::models::fetch::{MINILM, SMOLLM2, default_cache_dir};
-use crate::models::llama::{LlamaModel, WeightFormat};
+use crate::models::fetch::{BundledPackage, GEMMA3_270M, MINILM, SMOLLM2, default_cache_dir};
 use crate::models::tokenizer::TextTokenizer;
 use crate::transfer::TransferConfig;
 use crate::transfer::sender::DecodePeers;
@@ -55,7 +55,7 @@ impl std::str::FromStr for Role {
 pub struct TextModelConfig {
     /// Catalog name, e.g. `@cf/huggingfacetb/smollm2-135m-instruct`.
     pub name: String,
-    /// GGUF file; default: the bundled SmolLM2 in the model cache.
+    /// GGUF file; default: the bundled model of that name in the model cache.
     pub path: Option<PathBuf>,
     #[serde(default)]
     pub weights: WeightFormat,
@@ -114,6 +114,9 @@ pub struct NodeConfig {
 const INLINE_TOKENIZE_BYTES: usize = 2048;
 
 pub const SMOLLM2_NAME: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
+/// Workers AI's naming for Gemma; the bundled weights are the pretrained base model, so the
+/// name has no `-it`.
+pub const GEMMA3_NAME: &str = "@cf/google/gemma-3-270m";
 pub const MINILM_NAME: &str = "@cf/sentence-transformers/all-minilm-l6-v2";
 
 impl Default for NodeConfig {
@@ -126,13 +129,25 @@ impl Default for NodeConfig {
             safety_factor: DEFAULT_SAFETY_FACTOR,
             models_dir: None,
             engine: EngineConfig::default(),
-            text_models: vec![TextModelConfig {
-                name: SMOLLM2_NAME.into(),
-                path: None,
-                weights: WeightFormat::default(),
-                context_window: None,
-                system_prompt: default_system_prompt(),
-            }],
+            text_models: vec![
+                TextModelConfig {
+                    name: SMOLLM2_NAME.into(),
+                    path: None,
+                    weights: WeightFormat::default(),
+                    context_window: None,
+                    system_prompt: default_system_prompt(),
+                },
+                TextModelConfig {
+                    name: GEMMA3_NAME.into(),
+                    path: None,
+                    weights: WeightFormat::default(),
+                    // Its own window is 32,768; served with a quarter of it so the default
+                    // pool (window x safety factor, every layer's K/V) stays near 600 MiB.
+                    context_window: Some(GEMMA3_DEFAULT_WINDOW),
+                    // A base model: no system turn unless the request brings one.
+                    system_prompt: None,
+                },
+            ],
             embedding_models: vec![EmbeddingModelConfig {
                 name: MINILM_NAME.into(),
                 dir: None,
@@ -151,6 +166,18 @@ impl NodeConfig {
 
     pub fn models_dir(&self) -> PathBuf {
         self.models_dir.clone().unwrap_or_else(default_cache_dir)
+    }
+}
+
+/// The window the default configuration serves Gemma 3 270M with.
+pub const GEMMA3_DEFAULT_WINDOW: usize = 8192;
+
+/// The bundled package a text model's catalog name stands for, if any.
+pub fn bundled_text_model(name: &str) -> Option<BundledPackage> {
+    match name {
+        SMOLLM2_NAME => Some(SMOLLM2),
+        GEMMA3_NAME => Some(GEMMA3_270M),
+        _ => None,
     }
 }
 
@@ -223,20 +250,24 @@ impl Node {
         let models_dir = cfg.models_dir();
         let mut text = BTreeMap::new();
         for m in &cfg.text_models {
-            let path = m
-                .path
-                .clone()
-                .unwrap_or_else(|| SMOLLM2.path_in(&models_dir).join(SMOLLM2.files[0].1));
+            let path = match (&m.path, bundled_text_model(&m.name)) {
+                (Some(p), _) => p.clone(),
+                (None, Some(pkg)) => pkg.model_path_in(&models_dir),
+                (None, None) => bail!(
+                    "{}: not a bundled model, so its GGUF file (path) must be given",
+                    m.name
+                ),
+            };
             if !path.is_file() {
                 bail!(
                     "model file {} is missing; run `bulkhead models fetch` first",
                     path.display()
                 );
             }
-            let (llama, gguf) = LlamaModel::load(&path, m.weights, &device)
+            let (decoder, gguf) = DecoderModel::load(&path, m.weights, &device)
                 .with_context(|| format!("loading {}", path.display()))?;
             let tokenizer = TextTokenizer::from_gguf(&gguf)?;
-            let native = llama.cfg.context_window;
+            let native = decoder.cfg.context_window;
             let context_window = match m.context_window {
                 Some(w) if w > native => bail!(
                     "{}: context_window {w} is larger than the model's own {native}",
@@ -246,7 +277,7 @@ impl Node {
                 Some(w) => w,
                 None => native,
             };
-            let layout = llama.cfg.kv_layout();
+            let layout = decoder.cfg.kv_layout();
             let pool_tokens = match (cfg.pool_tokens, cfg.pool_memory_mb) {
                 (Some(t), _) => t,
                 (None, Some(mb)) => KvPool::tokens_for_budget(layout, cfg.page_size, mb << 20),
@@ -276,7 +307,7 @@ impl Node {
             );
             let model = Arc::new(TextModel::new(
                 m.name.clone(),
-                llama,
+                decoder,
                 tokenizer,
                 context_window,
                 m.system_prompt.clone(),

@@ -6,7 +6,7 @@ mod common;
 
 use bulkhead_runtime::chat::ChatMessage;
 use bulkhead_runtime::kv::{KvPool, Owner};
-use bulkhead_runtime::models::llama::{LlamaModel, StepSegment, WeightFormat, argmax};
+use bulkhead_runtime::models::decoder::{DecoderModel, StepSegment, WeightFormat, argmax};
 use bulkhead_runtime::models::tokenizer::TextTokenizer;
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
@@ -58,7 +58,7 @@ fn prompt(tok: &TextTokenizer) -> Vec<u32> {
 #[test]
 fn logits_match_the_reference_forward_over_prefill_and_16_decode_steps() {
     let (model, ct) =
-        LlamaModel::load(&common::smollm2_path(), WeightFormat::Native, &Device::Cpu).unwrap();
+        DecoderModel::load(&common::smollm2_path(), WeightFormat::Native, &Device::Cpu).unwrap();
     let tok = TextTokenizer::from_gguf(&ct).unwrap();
     let mut oracle = reference();
     let prompt = prompt(&tok);
@@ -109,7 +109,7 @@ fn logits_match_the_reference_forward_over_prefill_and_16_decode_steps() {
 #[test]
 fn chunked_prefill_matches_the_reference_fed_the_same_chunks() {
     let (model, ct) =
-        LlamaModel::load(&common::smollm2_path(), WeightFormat::Native, &Device::Cpu).unwrap();
+        DecoderModel::load(&common::smollm2_path(), WeightFormat::Native, &Device::Cpu).unwrap();
     let tok = TextTokenizer::from_gguf(&ct).unwrap();
     let mut oracle = reference();
     let prompt = prompt(&tok);
@@ -140,7 +140,7 @@ fn chunked_prefill_matches_the_reference_fed_the_same_chunks() {
 #[test]
 fn two_sequences_in_one_step_get_the_same_logits_as_alone() {
     let (model, ct) =
-        LlamaModel::load(&common::smollm2_path(), WeightFormat::Native, &Device::Cpu).unwrap();
+        DecoderModel::load(&common::smollm2_path(), WeightFormat::Native, &Device::Cpu).unwrap();
     let tok = TextTokenizer::from_gguf(&ct).unwrap();
     let a = prompt(&tok);
     let b = tok.encode("The quick brown fox jumps over").unwrap();
@@ -191,7 +191,7 @@ fn two_sequences_in_one_step_get_the_same_logits_as_alone() {
 #[test]
 fn a_forged_block_table_fails_only_that_sequence_in_a_shared_step() {
     let (model, ct) =
-        LlamaModel::load(&common::smollm2_path(), WeightFormat::Native, &Device::Cpu).unwrap();
+        DecoderModel::load(&common::smollm2_path(), WeightFormat::Native, &Device::Cpu).unwrap();
     let tok = TextTokenizer::from_gguf(&ct).unwrap();
     let secret = tok.encode("The secret canary of tenant A is 4711").unwrap();
     let pool = KvPool::with_capacity_tokens(model.cfg.kv_layout(), 16, 1024);
@@ -262,7 +262,7 @@ fn a_forged_block_table_fails_only_that_sequence_in_a_shared_step() {
 #[test]
 fn sixteen_sequences_decoding_together_get_the_same_logits_as_alone() {
     let (model, ct) =
-        LlamaModel::load(&common::smollm2_path(), WeightFormat::Native, &Device::Cpu).unwrap();
+        DecoderModel::load(&common::smollm2_path(), WeightFormat::Native, &Device::Cpu).unwrap();
     let tok = TextTokenizer::from_gguf(&ct).unwrap();
     let pool = KvPool::with_capacity_tokens(model.cfg.kv_layout(), 16, 4096);
     let prompts: Vec<Vec<u32>> = (0..16)

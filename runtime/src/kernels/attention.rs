@@ -19,6 +19,9 @@ pub struct Heads {
     pub n_head: usize,
     pub n_kv_head: usize,
     pub head_dim: usize,
+    /// Sliding-window attention: a query sees only the last `window` positions, itself
+    /// included (Gemma 3's local layers; llama.cpp's standard SWA). `None`: all of them.
+    pub window: Option<usize>,
 }
 
 impl Heads {
@@ -35,6 +38,11 @@ impl Heads {
     /// The scores' scale, `1 / sqrt(head_dim)`.
     fn scale(&self) -> f32 {
         1.0 / (self.head_dim as f32).sqrt()
+    }
+
+    /// The first position a query that sees positions `..len` attends to.
+    pub fn first_visible(&self, len: usize) -> usize {
+        self.window.map_or(0, |w| len.saturating_sub(w))
     }
 }
 
@@ -151,17 +159,30 @@ fn head_values<const D: usize>(p: &[f32], values: &[&[f32]], voff: usize, out: &
     out.copy_from_slice(&acc);
 }
 
-/// The rows of positions `0..len` of the K (or V) pages. Two small allocations per token and
+/// The rows of positions `lo..len` of the K (or V) pages. Two small allocations per token and
 /// layer; walking the pages in place instead (a block of positions never crossing a page)
 /// measured 3-4% slower at 16 streams.
 fn rows_of<'a>(
     pages: impl Iterator<Item = &'a [f32]>,
     page_size: usize,
+    lo: usize,
     len: usize,
     kv_dim: usize,
 ) -> Vec<&'a [f32]> {
-    let mut rows = Vec::with_capacity(len);
-    for_each_row(pages, page_size, len, kv_dim, |_, row| rows.push(row));
+    let mut rows = Vec::with_capacity(len - lo);
+    // Pages wholly before the window are not walked.
+    let skipped = lo / page_size;
+    for_each_row(
+        pages.skip(skipped),
+        page_size,
+        len - skipped * page_size,
+        kv_dim,
+        |pos, row| {
+            if pos + skipped * page_size >= lo {
+                rows.push(row)
+            }
+        },
+    );
     rows
 }
 
@@ -206,8 +227,8 @@ fn for_each_row<'a>(
     }
 }
 
-/// `out[n_head * head_dim]` = attention of `q[n_head * head_dim]` over positions `0..len`,
-/// held `page_size` per page in `pages`. The query belongs to a segment of `rows` tokens whose
+/// `out[n_head * head_dim]` = attention of `q[n_head * head_dim]` over positions `0..len`
+/// (the last `window` of them under a sliding window), held `page_size` per page in `pages`. The query belongs to a segment of `rows` tokens whose
 /// keys span `kv_len` positions (`len <= kv_len`): the shape the reference computes the
 /// segment in, which decides its summation order. `scores` is scratch.
 #[allow(clippy::too_many_arguments)]
@@ -229,10 +250,11 @@ pub fn attend_token(
     assert!(len <= pages.len() * page_size);
     scores.clear();
     scores.resize(n_head * kv_len, 0.0);
-    let keys = rows_of(pages.iter().map(|p| p.0), page_size, len, kv_dim);
+    let lo = heads.first_visible(len);
+    let keys = rows_of(pages.iter().map(|p| p.0), page_size, lo, len, kv_dim);
     for h in 0..n_head {
         let (qh, koff) = (&q[h * hd..(h + 1) * hd], (h / rep) * hd);
-        let row = &mut scores[h * kv_len..h * kv_len + len];
+        let row = &mut scores[h * kv_len + lo..h * kv_len + len];
         if lanes {
             head_scores(qh, &keys, koff, scale, row, dot_lanes_n::<4>, dot_lanes);
         } else {
@@ -242,8 +264,9 @@ pub fn attend_token(
     softmax_then_values(heads, scores, pages, page_size, len, kv_len, out);
 }
 
-/// The second half of attention for one query: `scores` (`[n_head][kv_len]`, live up to
-/// `len`, the rest zero) become probabilities, then `out` = their weighted sum of V rows.
+/// The second half of attention for one query: `scores` (`[n_head][kv_len]`, live from
+/// `heads.first_visible(len)` up to `len`, the rest zero) become probabilities, then `out` =
+/// their weighted sum of V rows.
 fn softmax_then_values(
     heads: Heads,
     scores: &mut [f32],
@@ -255,24 +278,26 @@ fn softmax_then_values(
 ) {
     let hd = heads.head_dim;
     let (kv_dim, rep) = (heads.kv_dim(), heads.rep());
+    let lo = heads.first_visible(len);
     for row in scores.chunks_exact_mut(kv_len) {
-        let (live, _masked) = row.split_at_mut(len);
+        let live = &mut row[lo..len];
         let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         for v in live.iter_mut() {
             *v = (*v - max).exp();
         }
         // Masked positions are exp(-inf) = 0 in the reference's row: zeros here.
         let sum = vec_sum(row);
-        for v in row[..len].iter_mut() {
+        for v in row[lo..len].iter_mut() {
             *v /= sum;
         }
     }
-    let values = rows_of(pages.iter().map(|p| p.1), page_size, len, kv_dim);
+    let values = rows_of(pages.iter().map(|p| p.1), page_size, lo, len, kv_dim);
     for h in 0..heads.n_head {
-        let (p, voff) = (&scores[h * kv_len..h * kv_len + len], (h / rep) * hd);
+        let (p, voff) = (&scores[h * kv_len + lo..h * kv_len + len], (h / rep) * hd);
         let o = &mut out[h * hd..(h + 1) * hd];
         match hd {
             64 => head_values::<64>(p, &values, voff, o),
+            256 => head_values::<256>(p, &values, voff, o),
             _ => {
                 o.fill(0.0);
                 for (&p, v) in p.iter().zip(&values) {
@@ -310,6 +335,11 @@ pub fn attend_rows(
     let len = first + ROW_BLOCK; // positions the last row sees
     let kv_len = kv_len.max(len);
     assert!(len <= pages.len() * page_size);
+    assert_eq!(
+        heads.first_visible(len),
+        0,
+        "a sliding window cuts into the block"
+    );
     // Scratch: the block's scores, `[row][head][kv_len]` (masked positions stay zero), then
     // its queries transposed, `qt[(h * hd + i) * 8 + r]`.
     let n_scores = ROW_BLOCK * n_head * kv_len;
@@ -385,10 +415,12 @@ pub fn attend_rows(
     }
 }
 
-/// Whether [`attend_rows`] computes the reference's sums for a segment of `rows` query
-/// tokens over `kv_len` keys (it uses the single-chain scores).
-pub fn rows_block_applies(rows: usize, kv_len: usize) -> bool {
-    rows * kv_len > HORIZONTAL_MAX
+/// Whether [`attend_rows`] computes the reference's sums for the block of query tokens at
+/// `first..first + ROW_BLOCK` of a segment of `rows` tokens over `kv_len` keys (it uses the
+/// single-chain scores) and every row of the block sees all earlier positions (no sliding
+/// window cuts into them).
+pub fn rows_block_applies(heads: Heads, first: usize, rows: usize, kv_len: usize) -> bool {
+    rows * kv_len > HORIZONTAL_MAX && heads.first_visible(first + ROW_BLOCK) == 0
 }
 
 #[cfg(test)]
@@ -400,10 +432,11 @@ mod tests {
         let hd = heads.head_dim;
         let kv_dim = heads.n_kv_head * hd;
         let rep = heads.n_head / heads.n_kv_head;
+        let lo = heads.first_visible(len);
         let mut out = vec![0f32; heads.n_head * hd];
         for h in 0..heads.n_head {
             let g = h / rep;
-            let s: Vec<f64> = (0..len)
+            let s: Vec<f64> = (lo..len)
                 .map(|j| {
                     (0..hd)
                         .map(|i| q[h * hd + i] as f64 * k[j * kv_dim + g * hd + i] as f64)
@@ -415,8 +448,8 @@ mod tests {
             let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
             let z: f64 = e.iter().sum();
             for i in 0..hd {
-                out[h * hd + i] = (0..len)
-                    .map(|j| e[j] / z * v[j * kv_dim + g * hd + i] as f64)
+                out[h * hd + i] = (lo..len)
+                    .map(|j| e[j - lo] / z * v[j * kv_dim + g * hd + i] as f64)
                     .sum::<f64>() as f32;
             }
         }
@@ -425,10 +458,23 @@ mod tests {
 
     #[test]
     fn paged_attention_matches_contiguous_attention() {
+        paged_matches_contiguous(None);
+    }
+
+    #[test]
+    fn a_sliding_window_attends_only_to_the_last_positions() {
+        // Windows shorter than a page, one page, across pages, and longer than the sequence.
+        for window in [1, 3, 4, 6, 64] {
+            paged_matches_contiguous(Some(window));
+        }
+    }
+
+    fn paged_matches_contiguous(window: Option<usize>) {
         let heads = Heads {
             n_head: 6,
             n_kv_head: 2,
             head_dim: 8,
+            window,
         };
         let kv_dim = 16;
         let page_size = 4;
@@ -562,11 +608,13 @@ mod tests {
                 n_head: 9,
                 n_kv_head: 3,
                 head_dim: 64,
+                window: None,
             },
             Heads {
                 n_head: 4,
                 n_kv_head: 2,
                 head_dim: 12,
+                window: None,
             },
         ];
         // Pages of 16 hold whole blocks of 4 and 8 positions; pages of 6 end mid-block.
@@ -620,6 +668,7 @@ mod tests {
             n_head: 9,
             n_kv_head: 3,
             head_dim: 64,
+            window: None,
         };
         let kv_dim = heads.n_kv_head * heads.head_dim;
         let d = heads.n_head * heads.head_dim;
@@ -644,7 +693,7 @@ mod tests {
             .collect();
         let q: Vec<f32> = (0..ROW_BLOCK * d).map(|_| rnd() * 3.0).collect();
         let rows = 40; // query rows of the segment: 40 x 45 score entries, single chains
-        assert!(rows_block_applies(rows, total));
+        assert!(rows_block_applies(heads, 0, rows, total));
         let mut scratch = Vec::new();
         for first in [0, 13, 16, total - ROW_BLOCK] {
             let qs: [&[f32]; ROW_BLOCK] = std::array::from_fn(|r| &q[r * d..(r + 1) * d]);

@@ -183,6 +183,34 @@ pub fn q4_1_from_gguf(bytes: &[u8]) -> Vec<BlockQ4_1> {
         .collect()
 }
 
+/// GGUF's Q5_0 block: f16 d, 4 bytes of high bits, 16 bytes of low nibbles.
+pub const GGUF_Q5_0_BYTES: usize = 22;
+
+/// GGUF Q5_0 bytes as GGUF Q8_0 bytes, exactly: both are 32 integers times one f16 scale,
+/// and Q5_0's integers (-16..=15) fit an int8. So a Q5_0 matrix runs on the Q8_0 kernels
+/// with the very values it stores (ggml's `dequantize_row_q5_0` block math).
+pub fn q5_0_gguf_to_q8_0_gguf(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len() / GGUF_Q5_0_BYTES * GGUF_Q8_0_BYTES);
+    for b in bytes.chunks_exact(GGUF_Q5_0_BYTES) {
+        out.extend_from_slice(&b[..2]);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let qs = &b[6..22];
+        let value = |j: usize| -> i8 {
+            // Element j < 16 is the low nibble of byte j, element j + 16 its high nibble;
+            // bit j of qh is the fifth bit of element j.
+            let nibble = if j < QK / 2 {
+                qs[j] & 0x0F
+            } else {
+                qs[j - QK / 2] >> 4
+            };
+            let high = ((qh >> j) & 1) as u8;
+            (nibble | (high << 4)) as i8 - 16
+        };
+        out.extend((0..QK).map(|j| value(j) as u8));
+    }
+    out
+}
+
 /// Repack GGUF Q8_0 bytes.
 pub fn q8_0_from_gguf(bytes: &[u8]) -> Vec<BlockQ8_0> {
     bytes
@@ -321,6 +349,38 @@ pub fn dequantize_q8_0(blocks: &[BlockQ8_0], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn q5_0_becomes_q8_0_with_exactly_its_values() {
+        // Random blocks (every bit pattern of qh and the nibbles is a valid Q5_0 block).
+        let mut seed = 7u64;
+        let mut bytes = Vec::new();
+        for b in 0..64 {
+            let d = f16::from_f32(0.01 + b as f32 * 0.003);
+            bytes.extend_from_slice(&d.to_le_bytes());
+            for _ in 0..20 {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                bytes.push((seed >> 56) as u8);
+            }
+        }
+        let want = candle_core::quantized::ggml_file::qtensor_from_ggml(
+            candle_core::quantized::GgmlDType::Q5_0,
+            &bytes,
+            vec![64 * QK],
+            &candle_core::Device::Cpu,
+        )
+        .unwrap()
+        .dequantize(&candle_core::Device::Cpu)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+        let q8 = q8_0_from_gguf(&q5_0_gguf_to_q8_0_gguf(&bytes));
+        let mut got = vec![0f32; 64 * QK];
+        dequantize_q8_0(&q8, &mut got);
+        assert_eq!(got, want);
+    }
 
     #[test]
     fn activation_blocks_round_trip_within_half_a_step() {

@@ -32,20 +32,32 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Rope tables `[positions][dim / 2]` (cos, sin), angles `pos * base^(-2i/dim)` in f32.
-pub fn rope_tables(dim: usize, base: f32, positions: usize) -> (Vec<f32>, Vec<f32>) {
-    let theta: Vec<f32> = (0..dim)
+/// Rope frequencies `base^(-2i/dim)` for `i < dim / 2`, in f32.
+pub fn rope_theta(dim: usize, base: f32) -> Vec<f32> {
+    (0..dim)
         .step_by(2)
         .map(|i| 1f32 / base.powf(i as f32 / dim as f32))
-        .collect();
-    let mut cos = Vec::with_capacity(positions * theta.len());
-    let mut sin = Vec::with_capacity(positions * theta.len());
+        .collect()
+}
+
+/// One position's rope angles `pos * theta[i]` (f32, as the reference's table) as cos and sin.
+pub fn rope_angles(theta: &[f32], pos: usize, cos: &mut [f32], sin: &mut [f32]) {
+    for ((c, s), &t) in cos.iter_mut().zip(sin.iter_mut()).zip(theta) {
+        let a = pos as f32 * t;
+        *c = a.cos();
+        *s = a.sin();
+    }
+}
+
+/// Rope tables `[positions][dim / 2]` (cos, sin), angles `pos * base^(-2i/dim)` in f32.
+pub fn rope_tables(dim: usize, base: f32, positions: usize) -> (Vec<f32>, Vec<f32>) {
+    let theta = rope_theta(dim, base);
+    let half = theta.len();
+    let mut cos = vec![0f32; positions * half];
+    let mut sin = vec![0f32; positions * half];
     for p in 0..positions {
-        for &t in &theta {
-            let a = p as f32 * t;
-            cos.push(a.cos());
-            sin.push(a.sin());
-        }
+        let row = p * half..(p + 1) * half;
+        rope_angles(&theta, p, &mut cos[row.clone()], &mut sin[row]);
     }
     (cos, sin)
 }
@@ -58,6 +70,39 @@ pub fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32]) {
         let (a, b) = (pair[0], pair[1]);
         pair[0] = a * c - b * s;
         pair[1] = a * s + b * c;
+    }
+}
+
+/// Rope over halves on one head (`x.len() == 2 * cos.len()`, GPT-NeoX's layout, used by
+/// Gemma): pairs `(x[i], x[i + half])` rotated by the position's angle `i`.
+#[inline]
+pub fn rope_halves(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let (a, b) = x.split_at_mut(cos.len());
+    for (((a, b), &c), &s) in a.iter_mut().zip(b.iter_mut()).zip(cos).zip(sin) {
+        let (x0, x1) = (*a, *b);
+        *a = x0 * c - x1 * s;
+        *b = x0 * s + x1 * c;
+    }
+}
+
+/// RMS norm of each `w.len()` chunk of `x` in place (Gemma's per-head Q and K norms).
+pub fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let n = w.len();
+    for row in x.chunks_exact_mut(n) {
+        let sum2 = row.iter().map(|v| v * v).sum::<f32>();
+        let m = (sum2 / n as f32 + eps).sqrt();
+        for (v, &a) in row.iter_mut().zip(w) {
+            *v = *v / m * a;
+        }
+    }
+}
+
+/// `gate = gelu(gate) * up`, GELU's tanh approximation (`gelu_pytorch_tanh`, Gemma's).
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    const SQRT_TWO_OVER_PI: f32 = 0.797_884_6;
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = 0.5 * x * (1.0 + (SQRT_TWO_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh()) * u;
     }
 }
 
@@ -96,6 +141,31 @@ mod tests {
         rms_norm(&x, &[1.0, 2.0], 0.0, &mut out);
         let m = 12.5f32.sqrt();
         assert_eq!(out, [3.0 / m, -8.0 / m, 3.0 / m, -8.0 / m]);
+    }
+
+    #[test]
+    fn rope_over_halves_rotates_pairs_half_a_head_apart() {
+        let theta = rope_theta(4, 10_000.0);
+        let (mut cos, mut sin) = ([0f32; 2], [0f32; 2]);
+        rope_angles(&theta, 3, &mut cos, &mut sin);
+        let mut x = [1.0, 2.0, 3.0, 4.0];
+        rope_halves(&mut x, &cos, &sin);
+        // Pair (x[0], x[2]) at angle 3 * theta[0] = 3 rad; (x[1], x[3]) at 3 * theta[1].
+        let a = 3f32;
+        assert!((x[0] - (a.cos() - 3.0 * a.sin())).abs() < 1e-6);
+        assert!((x[2] - (a.sin() + 3.0 * a.cos())).abs() < 1e-6);
+        let n: f32 = x.iter().map(|v| v * v).sum();
+        assert!((n - 30.0).abs() < 1e-4);
+    }
+
+    #[test]
+    fn gelu_tanh_is_near_the_exact_gelu() {
+        let mut g = [-3.0f32, -1.0, 0.0, 0.5, 2.0];
+        gelu_tanh_mul(&mut g, &[1.0; 5]);
+        // x * Phi(x), to the approximation's 1e-3.
+        for (got, want) in g.iter().zip([-0.00405, -0.158655, 0.0, 0.345731, 1.9545]) {
+            assert!((got - want).abs() < 1e-3, "{got} vs {want}");
+        }
     }
 
     #[test]

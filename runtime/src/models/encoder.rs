@@ -36,6 +36,16 @@ pub enum EncoderWeights {
     F32,
 }
 
+impl EncoderWeights {
+    /// The config's spelling, e.g. for the catalog.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EncoderWeights::Int8 => "int8",
+            EncoderWeights::F32 => "f32",
+        }
+    }
+}
+
 fn internal(e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Internal(e.to_string())
 }

