@@ -68,11 +68,29 @@ def new_tenant(base, name):
     return tenant["id"], token["token"]
 
 
+SMOLLM2 = "@cf/huggingfacetb/smollm2-135m-instruct"
+GEMMA3 = "@cf/google/gemma-3-270m"
+# The two model families the platform serves: llama (SmolLM2) and Gemma 3.
+TEXT_MODELS = [SMOLLM2, GEMMA3]
+# A conversation both answer with "Berlin": the Gemma model is the pretrained base model,
+# which follows a one-shot example but not a bare question.
+FEW_SHOT = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "What is the capital of Germany?"}]
+
+
+@pytest.fixture(params=TEXT_MODELS, ids=["smollm2", "gemma3"])
+def text_model(request):
+    """Each text-generation test runs against both model families."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def server():
-    # A small served window keeps the KV pool small (512 x 2.0 tokens).
+    # A small served window keeps the KV pools small (512 x 2.0 tokens each).
     proc, base, _ = start_server(
-        '[[node.text_models]]\nname = "@cf/huggingfacetb/smollm2-135m-instruct"\ncontext_window = 512\n'
+        f'[[node.text_models]]\nname = "{SMOLLM2}"\ncontext_window = 512\n'
+        f'[[node.text_models]]\nname = "{GEMMA3}"\ncontext_window = 512\nsystem_prompt = ""\n'
         '[[node.embedding_models]]\nname = "@cf/sentence-transformers/all-minilm-l6-v2"\n')
     account, token = new_tenant(base, "sdk-tests")
     yield {"base": base, "account": account, "token": token, "admin": ADMIN,

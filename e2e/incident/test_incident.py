@@ -26,6 +26,8 @@ ADMIN = "incident-admin-token"
 # What the nodes' APIs accept (the control plane learns it from their heartbeats; the test
 # presents it to read node metrics).
 NODE_API = "e2e-incident-node-api-token-0123456789"
+from conftest import TEXT_MODELS
+
 MODEL = "@cf/huggingfacetb/smollm2-135m-instruct"
 WINDOW = 512
 PREFILL_POOL = 1024  # = WINDOW x the default safety factor 2.0
@@ -131,9 +133,11 @@ def cluster():
             break
         assert time.time() < deadline, nodes
         time.sleep(0.2)
-    # Registered private; published through the gate (both pools fit 512 x 2).
-    r = c.admin.patch("/admin/v1/models/" + MODEL.replace("/", "%2F"), json={"visibility": "public"})
-    assert r.status_code == 200, r.text
+    # Registered private; published through the gate (both pools fit 512 x 2). The nodes
+    # serve the default models: both families.
+    for model in TEXT_MODELS:
+        r = c.admin.patch("/admin/v1/models/" + model.replace("/", "%2F"), json={"visibility": "public"})
+        assert r.status_code == 200, r.text
     yield c
     c.stop()
 
@@ -144,29 +148,29 @@ def tenant(c, name):
     return {"account": t["id"], "token": tok["token"], "name": name}
 
 
-def run(c, t, body, tries=6):
+def run(c, t, body, model=MODEL, tries=6):
     """One request as the official SDK sends it: retried on 429 after `retry-after`."""
     for attempt in range(tries):
-        r = httpx.post(f"{c.cp}/client/v4/accounts/{t['account']}/ai/run/{MODEL}", json=body,
+        r = httpx.post(f"{c.cp}/client/v4/accounts/{t['account']}/ai/run/{model}", json=body,
                        headers={"Authorization": f"Bearer {t['token']}"}, timeout=180)
         if r.status_code != 429 or attempt + 1 == tries:
             return r.status_code, r.text
         time.sleep(float(r.headers.get("retry-after", "1")))
 
 
-def pool(url):
+def pool(url, model):
     state = httpx.get(url + "/v1/state", headers={"Authorization": f"Bearer {NODE_API}"},
                       timeout=10)
     assert state.status_code == 200, state.text
     state = state.json()
-    m = next(m for m in state["models"] if m["name"] == MODEL)
+    m = next(m for m in state["models"] if m["name"] == model)
     return m
 
 
-def wait_pool_full(url):
+def wait_pool_full(url, model=MODEL):
     deadline = time.time() + 30
     while True:
-        m = pool(url)
+        m = pool(url, model)
         p = m["pool"]
         assert p["isolation_violations"] == 0, p
         if p["pages_free"] == p["pages_total"] and p["pages_reserved"] == 0 and m["running"] == 0:
@@ -189,15 +193,20 @@ def words(n):
     return " ".join(f"w{i}" for i in range(n))
 
 
-def test_incident_mix_of_oversized_and_canary_prompts(cluster):
+@pytest.mark.parametrize("model", TEXT_MODELS, ids=["smollm2", "gemma3"])
+def test_incident_mix_of_oversized_and_canary_prompts(cluster, model):
     c = cluster
-    tenants = [tenant(c, f"tenant-{i}") for i in range(TENANTS)]
+    tenants = [tenant(c, f"{model.rsplit('/', 1)[1]}-tenant-{i}") for i in range(TENANTS)]
     # Measure a long prompt once, so one request can sit exactly at the window.
-    at_limit_prompt = words(135)  # ~3.5 tokens a word
-    s, body = run(c, tenants[0], {"prompt": at_limit_prompt, "raw": True, "max_tokens": 1, "temperature": 0})
+    at_limit_words = 135  # ~3.5 tokens a word for SmolLM2, fewer for Gemma
+    at_limit_prompt = words(at_limit_words)
+    s, body = run(c, tenants[0], {"prompt": at_limit_prompt, "raw": True, "max_tokens": 1, "temperature": 0},
+                  model)
     assert s == 200, body
     n = json.loads(body)["result"]["usage"]["prompt_tokens"]
     assert n < WINDOW - 8, n
+    # Words enough for 40 tokens past the window, whatever this model's tokens per word.
+    over_window_words = (WINDOW + 40) * at_limit_words // n + 1
 
     jobs = []  # (tenant, kind, body, canary)
     canaries = {}
@@ -216,7 +225,7 @@ def test_incident_mix_of_oversized_and_canary_prompts(cluster):
             # asserts on codes it is known to answer.
             for _ in range(8):
                 canary = f"{CANARY_WORDS[i]}-{1000 + secrets.randbelow(9000)}"
-                s, body = run(c, t, canary_body(canary))
+                s, body = run(c, t, canary_body(canary), model)
                 assert s == 200, body
                 if canary in json.loads(body)["result"]["response"]:
                     break
@@ -225,7 +234,8 @@ def test_incident_mix_of_oversized_and_canary_prompts(cluster):
             canaries[canary] = t["name"]
             jobs.append((t, "canary", canary_body(canary), canary))
         jobs.append((t, "over_pool", {"prompt": words(PREFILL_POOL + 100), "raw": True, "max_tokens": 8}, None))
-        jobs.append((t, "over_window", {"prompt": words(160), "raw": True, "max_tokens": 8}, None))
+        jobs.append((t, "over_window", {"prompt": words(over_window_words), "raw": True, "max_tokens": 8},
+                     None))
         jobs.append((t, "at_limit", {"prompt": at_limit_prompt, "raw": True, "max_tokens": WINDOW - n,
                                      "temperature": 0}, None))
         jobs.append((t, "one_past", {"prompt": at_limit_prompt, "raw": True, "max_tokens": WINDOW - n + 1}, None))
@@ -234,7 +244,7 @@ def test_incident_mix_of_oversized_and_canary_prompts(cluster):
     jobs.sort(key=lambda j: secrets.randbelow(1 << 30))
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool_:
-        results = list(pool_.map(lambda j: (j, run(c, j[0], j[2])), jobs))
+        results = list(pool_.map(lambda j: (j, run(c, j[0], j[2], model)), jobs))
 
     admitted = 0
     for (t, kind, _, canary), (status, text) in results:
@@ -262,8 +272,8 @@ def test_incident_mix_of_oversized_and_canary_prompts(cluster):
     assert metric(c.decode, "bulkhead_kv_isolation_violations_total") == 0
     assert metric(c.prefill, "bulkhead_kv_isolation_violations_total") == 0
     assert metric(c.decode, "bulkhead_kv_transfers_failed_total") == 0
-    wait_pool_full(c.prefill)
-    wait_pool_full(c.decode)
+    wait_pool_full(c.prefill, model)
+    wait_pool_full(c.decode, model)
 
 
 def test_the_incident_deployment_is_refused_everywhere(cluster):
@@ -318,25 +328,26 @@ def test_the_incident_deployment_is_refused_everywhere(cluster):
     assert s == 400
 
 
-def test_constrained_answers_across_the_transfer(cluster):
+@pytest.mark.parametrize("model", TEXT_MODELS, ids=["smollm2", "gemma3"])
+def test_constrained_answers_across_the_transfer(cluster, model):
     # The prefill node renders the tools into the prompt; the decode node, which samples,
     # compiles the grammar from the request's transferred sampling parameters.
-    t = tenant(cluster, "tools-across")
+    t = tenant(cluster, "tools-across-" + model.rsplit("/", 1)[1])
     weather = {"type": "object", "additionalProperties": False, "required": ["city"],
                "properties": {"city": {"type": "string", "maxLength": 20}}}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
     status, text = run(cluster, t, {
         "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-        "tools": tools, "tool_choice": "required", "temperature": 0, "max_tokens": 200})
+        "tools": tools, "tool_choice": "required", "temperature": 0, "max_tokens": 200}, model)
     assert status == 200, text
     call = json.loads(text)["result"]["tool_calls"][0]
     assert call["name"] == "get_weather", call
     assert set(call["arguments"]) == {"city"} and len(call["arguments"]["city"]) <= 20, call
     status, text = run(cluster, t, {
         "prompt": "Name a city.", "max_tokens": 60, "temperature": 0,
-        "response_format": {"type": "json_schema", "json_schema": weather}})
+        "response_format": {"type": "json_schema", "json_schema": weather}}, model)
     assert status == 200, text
     answer = json.loads(text)["result"]["response"]
     assert set(answer) == {"city"} and len(answer["city"]) <= 20, answer
-    wait_pool_full(cluster.prefill)
-    wait_pool_full(cluster.decode)
+    wait_pool_full(cluster.prefill, model)
+    wait_pool_full(cluster.decode, model)

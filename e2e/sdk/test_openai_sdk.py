@@ -3,6 +3,8 @@ import openai
 import pytest
 from openai import OpenAI
 
+from conftest import FEW_SHOT, GEMMA3
+
 TEXT = "@cf/huggingfacetb/smollm2-135m-instruct"
 EMBED = "@cf/sentence-transformers/all-minilm-l6-v2"
 
@@ -17,15 +19,16 @@ def client(server, request):
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_chat_completion(client):
-    r = client.chat.completions.create(model=TEXT, messages=QUESTION, temperature=0, max_tokens=24)
-    assert "Paris" in r.choices[0].message.content
+def test_chat_completion(client, text_model):
+    r = client.chat.completions.create(model=text_model, messages=FEW_SHOT, temperature=0, max_tokens=6)
+    assert "Berlin" in r.choices[0].message.content
+    assert r.model == text_model
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
-def test_chat_completion_streaming_with_usage(client):
-    stream = client.chat.completions.create(model=TEXT, messages=QUESTION, temperature=0, max_tokens=24,
+def test_chat_completion_streaming_with_usage(client, text_model):
+    stream = client.chat.completions.create(model=text_model, messages=FEW_SHOT, temperature=0, max_tokens=6,
                                             stream=True, stream_options={"include_usage": True})
     text, usage = "", None
     for chunk in stream:
@@ -33,13 +36,13 @@ def test_chat_completion_streaming_with_usage(client):
             text += chunk.choices[0].delta.content or ""
         if chunk.usage:
             usage = chunk.usage
-    assert "Paris" in text
+    assert "Berlin" in text
     assert usage is not None and usage.completion_tokens > 0
 
 
 def test_models_list_and_retrieve(client):
     ids = [m.id for m in client.models.list()]
-    assert TEXT in ids and EMBED in ids
+    assert TEXT in ids and GEMMA3 in ids and EMBED in ids
     assert client.models.retrieve(TEXT).id == TEXT
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("@cf/no/such-model")
@@ -53,11 +56,12 @@ def test_embeddings(client):
     assert abs(norm - 1.0) < 1e-3
 
 
-def test_errors_are_openai_shaped(client):
+def test_errors_are_openai_shaped(client, text_model):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="@cf/nobody/nothing", messages=QUESTION)
     # The SDK hands over the inner `error` object of the body.
     assert e.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.APIStatusError) as e:
-        client.chat.completions.create(model=TEXT, messages=[{"role": "user", "content": "word " * 700}], max_tokens=8)
+        client.chat.completions.create(model=text_model, messages=[{"role": "user", "content": "word " * 700}],
+                                       max_tokens=8)
     assert e.value.status_code == 413

@@ -27,9 +27,9 @@ class City(BaseModel):
     coastal: bool
 
 
-def test_openai_parse_with_a_pydantic_model(openai_client):
+def test_openai_parse_with_a_pydantic_model(openai_client, text_model):
     r = openai_client.chat.completions.parse(
-        model=TEXT, messages=[{"role": "user", "content": "Describe a big city in Europe."}],
+        model=text_model, messages=[{"role": "user", "content": "Describe a big city in Europe."}],
         response_format=City, temperature=1.0, seed=11, max_tokens=120)
     choice = r.choices[0]
     assert choice.finish_reason == "stop", choice

@@ -50,10 +50,10 @@ def _valid_call(call):
     return args
 
 
-def test_a_two_step_tool_loop(openai_client):
+def test_a_two_step_tool_loop(openai_client, text_model):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     r = openai_client.chat.completions.create(
-        model=TEXT, messages=messages, tools=TOOLS, tool_choice="required",
+        model=text_model, messages=messages, tools=TOOLS, tool_choice="required",
         temperature=0, max_tokens=80)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -65,7 +65,7 @@ def test_a_two_step_tool_loop(openai_client):
     messages.append({"role": "tool", "tool_call_id": call.id,
                      "content": json.dumps({"city": args["city"], "temperature": 18})})
     final = openai_client.chat.completions.create(
-        model=TEXT, messages=messages, tools=TOOLS, tool_choice="none",
+        model=text_model, messages=messages, tools=TOOLS, tool_choice="none",
         temperature=0, max_tokens=40)
     answer = final.choices[0]
     assert answer.finish_reason in ("stop", "length"), answer

@@ -5,6 +5,7 @@ import json
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -44,11 +45,11 @@ def _to_worker(worker, path, method="GET", data=None, headers=None):
                     {"Host": worker["host"], **(headers or {})})
 
 
-def test_text_generation_through_env_ai_run(worker):
-    status, body, _ = _to_worker(worker, "/text")
+def test_text_generation_through_env_ai_run(worker, text_model):
+    status, body, _ = _to_worker(worker, "/text?model=" + urllib.parse.quote(text_model))
     assert status == 200, body
     out = json.loads(body)
-    assert "Paris" in out["response"], out
+    assert "Berlin" in out["response"], out
     assert out["usage"]["completion_tokens"] > 0
 
 

@@ -10,11 +10,13 @@ export default {
       case "/echo":
         return new Response("ok");
       case "/text":
+        // Any text model (?model=), on a raw prompt both families continue with "Berlin".
         return Response.json(
-          await env.AI.run(TEXT, {
-            prompt: "What is the capital of France?",
+          await env.AI.run(url.searchParams.get("model") ?? TEXT, {
+            prompt: "The capital of France is Paris. The capital of Germany is",
+            raw: true,
             temperature: 0,
-            max_tokens: 32,
+            max_tokens: 6,
           }),
         );
       case "/json":

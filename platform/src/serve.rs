@@ -111,19 +111,29 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
 async fn seed_catalog(store: &Store, node: &Node) -> anyhow::Result<()> {
     for (name, engine) in &node.text {
         let window = engine.model().context_window as i64;
+        let info = &engine.model().decoder.info;
         create_if_missing(
             store,
             ModelRecord {
                 name: name.clone(),
                 task: TASK_TEXT_GENERATION.into(),
-                description: "SmolLM2-135M-Instruct (llama architecture), bundled".into(),
+                description: format!(
+                    "{} ({} architecture, {})",
+                    info.name,
+                    info.family.as_str(),
+                    info.quantization
+                ),
                 context_window: window,
                 max_output_tokens: BUNDLED_MAX_OUTPUT_TOKENS.min(window),
                 visibility: Visibility::Public,
                 visibility_reason: None,
                 prefix_cache: true,
                 allow: vec![],
-                properties: serde_json::json!({}),
+                properties: serde_json::json!({
+                    "family": info.family.as_str(),
+                    "quantization": info.quantization,
+                    "license": info.license.as_deref().unwrap_or("unknown"),
+                }),
                 created_at: 0,
                 updated_at: 0,
             },
@@ -144,6 +154,8 @@ async fn seed_catalog(store: &Store, node: &Node) -> anyhow::Result<()> {
                 prefix_cache: true,
                 allow: vec![],
                 properties: serde_json::json!({
+                    "family": "bert",
+                    "quantization": e.encoder().weights().as_str(),
                     "output_dimensions": e.encoder().dims.to_string(),
                     "max_input_tokens": e.encoder().max_tokens.to_string(),
                 }),

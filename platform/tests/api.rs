@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use bulkhead_platform::config::ServeConfig;
 use bulkhead_platform::limits::RateLimits;
-use bulkhead_runtime::node::{MINILM_NAME, SMOLLM2_NAME};
+use bulkhead_runtime::node::{GEMMA3_NAME, MINILM_NAME, SMOLLM2_NAME};
 use serde_json::{Value, json};
 
 mod common;
@@ -33,6 +33,7 @@ fn config(data: &std::path::Path, limits: RateLimits) -> ServeConfig {
         limits,
         ..ServeConfig::default()
     };
+    common::smollm2_only(&mut cfg);
     // A small window keeps the pool (and the test) small: 512 x 2.0 = 1024 tokens.
     for m in &mut cfg.node.text_models {
         m.context_window = Some(512);
@@ -1242,4 +1243,143 @@ async fn prefix_cache_is_per_tenant_reported_and_switchable() {
         "{row}"
     );
     assert!(cached_in < row["input_tokens"].as_i64().unwrap(), "{row}");
+}
+
+/// Both model families, served side by side, through every text surface: Workers AI (raw
+/// prompt, messages, streaming), OpenAI chat completions, `/v1/models`, and the catalog's
+/// search and schema with each model's family, quantization and license.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn both_model_families_serve_every_text_surface_with_their_catalog_properties() {
+    let data = temp_dir("families");
+    let mut cfg = config(&data, RateLimits::default());
+    cfg.node.text_models = ServeConfig::default().node.text_models;
+    for m in &mut cfg.node.text_models {
+        m.context_window = Some(512);
+    }
+    let srv = Server::start_with(cfg).await;
+    let (acct, _, tok) = srv.tenant("families").await;
+    let families = [
+        (SMOLLM2_NAME, "llama", "Q4_1"),
+        (GEMMA3_NAME, "gemma3", "Q4_K_M"),
+    ];
+    for (model, family, quantization) in families {
+        // A raw prompt: the base Gemma model continues text rather than chatting.
+        let (s, body, _) = json_of(
+            srv.run(
+                &acct,
+                &tok,
+                model,
+                json!({"prompt": "The capital of France is Paris. The capital of Germany is",
+                       "raw": true, "temperature": 0, "max_tokens": 6}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(s, 200, "{model}: {body}");
+        let text = body["result"]["response"].as_str().unwrap();
+        assert!(text.contains("Berlin"), "{model}: {text:?}");
+        assert_eq!(body["result"]["usage"]["completion_tokens"], 6, "{body}");
+
+        let (s, body, _) = json_of(
+            srv.run(
+                &acct,
+                &tok,
+                model,
+                json!({"messages": [{"role": "user", "content": FRANCE}], "max_tokens": 8}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(s, 200, "{model}: {body}");
+        assert!(body["result"]["usage"]["prompt_tokens"].as_u64().unwrap() > 5);
+
+        let r = srv
+            .run(
+                &acct,
+                &tok,
+                model,
+                json!({"prompt": FRANCE, "stream": true, "max_tokens": 4}),
+            )
+            .await;
+        assert_eq!(r.status(), 200, "{model}");
+        let sse = r.text().await.unwrap();
+        assert!(sse.trim_end().ends_with("data: [DONE]"), "{model}: {sse}");
+        assert!(sse.matches("\"response\"").count() >= 2, "{model}: {sse}");
+
+        let r = srv
+            .http
+            .post(srv.url("/v1/chat/completions"))
+            .bearer_auth(&tok)
+            .json(&json!({"model": model, "max_tokens": 5,
+                          "messages": [{"role": "user", "content": FRANCE}]}))
+            .send()
+            .await
+            .unwrap();
+        let (s, body, _) = json_of(r).await;
+        assert_eq!(s, 200, "{model}: {body}");
+        assert_eq!(body["model"], model, "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 5, "{body}");
+
+        let search = srv
+            .http
+            .get(srv.url(&format!(
+                "/client/v4/accounts/{acct}/ai/models/search?search={}",
+                model.rsplit('/').next().unwrap()
+            )))
+            .bearer_auth(&tok)
+            .send()
+            .await
+            .unwrap();
+        let (s, body, _) = json_of(search).await;
+        assert_eq!(s, 200, "{body}");
+        let entry = &body["result"][0];
+        assert_eq!(entry["name"], model, "{body}");
+        let property = |entry: &Value, id: &str| -> Value {
+            entry["properties"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|p| p["property_id"] == id)
+                .map(|p| p["value"].clone())
+                .unwrap_or(Value::Null)
+        };
+        assert_eq!(property(entry, "family"), family, "{entry}");
+        assert_eq!(property(entry, "quantization"), quantization, "{entry}");
+        assert_eq!(property(entry, "context_window"), "512", "{entry}");
+        let license = property(entry, "license");
+        assert!(license.is_string() && license != "unknown", "{entry}");
+
+        let schema = srv
+            .http
+            .get(srv.url(&format!(
+                "/client/v4/accounts/{acct}/ai/models/schema?model={model}"
+            )))
+            .bearer_auth(&tok)
+            .send()
+            .await
+            .unwrap();
+        let (s, body, _) = json_of(schema).await;
+        assert_eq!(s, 200, "{body}");
+        assert_eq!(property(&body["result"], "family"), family, "{body}");
+    }
+    let r = srv
+        .http
+        .get(srv.url("/v1/models"))
+        .bearer_auth(&tok)
+        .send()
+        .await
+        .unwrap();
+    let (s, body, _) = json_of(r).await;
+    assert_eq!(s, 200, "{body}");
+    let ids: Vec<&str> = body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert!(
+        ids.contains(&SMOLLM2_NAME) && ids.contains(&GEMMA3_NAME),
+        "{ids:?}"
+    );
+    srv.stop().await;
 }

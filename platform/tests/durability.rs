@@ -390,6 +390,7 @@ fn serve_config(data: &std::path::Path) -> ServeConfig {
         admin_token: Some(ADMIN.into()),
         ..ServeConfig::default()
     };
+    common::smollm2_only(&mut cfg);
     cfg.node.text_models[0].context_window = Some(256);
     cfg
 }

@@ -36,6 +36,7 @@ fn config(tag: &str) -> ServeConfig {
         },
         ..ServeConfig::default()
     };
+    common::smollm2_only(&mut cfg);
     // A window above the catalog's output limit, so the two limits can be told apart.
     for m in &mut cfg.node.text_models {
         m.context_window = Some(4096);

@@ -34,6 +34,7 @@ fn config(data: &std::path::Path) -> ServeConfig {
         admin_token: Some("admin-secret-for-tests".into()),
         ..ServeConfig::default()
     };
+    common::smollm2_only(&mut cfg);
     for m in &mut cfg.node.text_models {
         m.context_window = Some(512);
     }

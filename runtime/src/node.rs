@@ -63,7 +63,8 @@ pub struct TextModelConfig {
     pub context_window: Option<usize>,
     /// System turn put first when a request has none. SmolLM2's own template would insert a
     /// long default one that derails the 135M model (it answers "What is the capital of
-    /// France?" with French word salad); a short one keeps it on task.
+    /// France?" with French word salad); a short one keeps it on task. An empty string: none
+    /// (a base model such as the bundled Gemma 3 270M is better without).
     #[serde(default = "default_system_prompt")]
     pub system_prompt: Option<String>,
 }
@@ -310,7 +311,7 @@ impl Node {
                 decoder,
                 tokenizer,
                 context_window,
-                m.system_prompt.clone(),
+                m.system_prompt.clone().filter(|s| !s.is_empty()),
             )?);
             let engine = Engine::start(model, pool, cfg.engine.clone(), metrics.clone());
             text.insert(m.name.clone(), engine);

@@ -373,3 +373,15 @@ fn the_tokenizer_round_trips_varied_text() {
     let ids = tok.encode_text("hello world").unwrap();
     assert_eq!(ids.len(), 2, "{ids:?}");
 }
+
+#[test]
+fn token_ids_are_llama_cpps() {
+    let (_, tok) = load();
+    let fixture: serde_json::Value =
+        serde_json::from_str(include_str!("data/gemma3_llamacpp_tokens.json")).unwrap();
+    for case in fixture["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        assert_eq!(tok.encode_text(text).unwrap(), want, "{text:?}");
+    }
+}

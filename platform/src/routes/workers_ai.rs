@@ -165,7 +165,12 @@ pub async fn models_schema(
     else {
         return Err(ApiError::no_such_model(&q.model));
     };
-    Ok(ok(serde_json::json!({ "input": input, "output": output })))
+    // Beside Workers AI's two schemas, the catalog's properties (family, quantization,
+    // window, license), as search lists them.
+    let properties = wai::search_entry(&model)["properties"].clone();
+    Ok(ok(
+        serde_json::json!({ "input": input, "output": output, "properties": properties }),
+    ))
 }
 
 #[utoipa::path(get, path = "/client/v4/accounts/{account_id}/ai/usage", tag = "workers-ai",

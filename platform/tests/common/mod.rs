@@ -43,3 +43,12 @@ pub async fn drop_schema(admin: &str) {
         .await
         .unwrap();
 }
+
+/// Serve SmolLM2 as the only text model. The control plane's own behaviour needs one; the
+/// default also serves Gemma 3 (seconds to load, its own pool), which the tests of both
+/// families start on purpose.
+pub fn smollm2_only(cfg: &mut bulkhead_platform::config::ServeConfig) {
+    cfg.node
+        .text_models
+        .retain(|m| m.name == bulkhead_runtime::node::SMOLLM2_NAME);
+}
