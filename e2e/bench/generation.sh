@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Side-by-side generation benchmark: Bulkhead vs llama.cpp on the same GGUF and thread count,
 # interleaved per thread count so both see the same machine load. Not a test.
-# usage: e2e/bench/generation.sh            (installs llama-cpp-python into e2e/.venv-bench)
+# usage: e2e/bench/generation.sh [smollm2|gemma3]   (installs llama-cpp-python into e2e/.venv-bench)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv=e2e/.venv-bench
@@ -10,7 +10,14 @@ if [ ! -x "$venv/bin/python" ]; then
   # llama-cpp-python builds llama.cpp from source (about 15 minutes on 2 cores).
   CMAKE_ARGS="-DGGML_NATIVE=ON" "$venv/bin/pip" install -q llama-cpp-python==0.3.36 numpy
 fi
-model="${BULKHEAD_MODELS:-$HOME/.cache/bulkhead/models}/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+models="${BULKHEAD_MODELS:-$HOME/.cache/bulkhead/models}"
+case "${1:-smollm2}" in
+  smollm2) model="$models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"; formats="q8_0 native" ;;
+  # Gemma's K-quant matrices run as Q8_0 either way: one format.
+  gemma3) model="$models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf"; formats="native" ;;
+  *) echo "usage: $0 [smollm2|gemma3]" >&2; exit 2 ;;
+esac
+export BENCH_MODEL="${1:-smollm2}"
 # The dev profile (opt-level 3 for every crate, see Cargo.toml) runs the bench binary, so
 # this reuses the test build instead of a separate release build; `--bench` makes it
 # measure. The bench fetches the models itself, and runs before llama.cpp needs the file.
@@ -18,7 +25,7 @@ bench() { cargo test --quiet --workspace --bench generation -- --bench; }
 cargo test --no-run --workspace --bench generation 2>/dev/null
 out=$(mktemp)
 for threads in 1 2; do
-  for weights in q8_0 native; do
+  for weights in $formats; do
     row=$(RAYON_NUM_THREADS=$threads CANDLE_NUM_THREADS=$threads BENCH_WEIGHTS=$weights \
       bench 2>/dev/null | tail -1)
     echo "$row" >>"$out"

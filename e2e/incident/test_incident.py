@@ -304,9 +304,13 @@ def test_the_incident_deployment_is_refused_everywhere(cluster):
                                                "context_window": 1024, "max_output_tokens": 64})
     assert r.status_code == 200, r.text
     port = free_port()
+    # An operator's model under its own name: the bundled SmolLM2 file as its weights.
+    models = os.environ.get("BULKHEAD_MODELS") or os.path.expanduser("~/.cache/bulkhead/models")
+    gguf = os.path.join(models, "smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf")
     node_cfg = c.write("small-node.toml", 'role = "prefill"\npool_tokens = 665\n'
                                           '[transfer]\npeers = ["127.0.0.1:9"]\n'
-                                          f'[[text_models]]\nname = "{name}"\ncontext_window = 256\n')
+                                          f'[[text_models]]\nname = "{name}"\npath = "{gguf}"\n'
+                                          'context_window = 256\n')
     proc, log = c.spawn("small-prefill", ["node", "--config", node_cfg, "--listen", f"127.0.0.1:{port}",
                                           "--control-plane", c.cp, "--node-id", "small-prefill"],
                         env=node_env(c, "small-prefill"))

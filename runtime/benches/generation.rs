@@ -1,4 +1,5 @@
-//! Generation throughput of the Bulkhead engine on the bundled SmolLM2 GGUF.
+//! Generation throughput of the Bulkhead engine on a bundled GGUF: SmolLM2, or Gemma 3 270M
+//! with `BENCH_MODEL=gemma3`.
 //!
 //! `cargo bench -p bulkhead-runtime --bench generation` prints one JSON line with prompt
 //! processing (512-token prompt), single-stream decode, and aggregate decode at 1, 4 and 16
@@ -18,7 +19,7 @@ use bulkhead_runtime::engine::{
 use bulkhead_runtime::kv::KvPool;
 use bulkhead_runtime::metrics::NodeMetrics;
 use bulkhead_runtime::models::decoder::{DecoderModel, WeightFormat};
-use bulkhead_runtime::models::fetch::{SMOLLM2, default_cache_dir, fetch_all};
+use bulkhead_runtime::models::fetch::{GEMMA3_270M, SMOLLM2, default_cache_dir, fetch_all};
 use bulkhead_runtime::models::tokenizer::TextTokenizer;
 use bulkhead_runtime::sampling::SamplingParams;
 
@@ -135,7 +136,11 @@ fn main() -> anyhow::Result<()> {
         Ok("native") => WeightFormat::Native,
         _ => WeightFormat::Q8_0,
     };
-    let path = SMOLLM2.model_path_in(&cache);
+    let bundled = match std::env::var("BENCH_MODEL").as_deref() {
+        Ok("gemma3") => GEMMA3_270M,
+        _ => SMOLLM2,
+    };
+    let path = bundled.model_path_in(&cache);
     let (llama, ct) = DecoderModel::load(&path, format, &candle_core::Device::Cpu)?;
     let tokenizer = TextTokenizer::from_gguf(&ct)?;
     // A prompt of exactly PROMPT_TOKENS tokens: text, tokenized, cut, decoded back.
@@ -211,6 +216,7 @@ fn main() -> anyhow::Result<()> {
         "{}",
         serde_json::json!({
             "engine": "bulkhead",
+            "model": bundled.dir,
             "weights": format!("{format:?}"),
             "matmul": bulkhead_runtime::kernels::matmul_path(),
             "threads": threads,
