@@ -82,7 +82,11 @@ def main():
         argmax(len(prompt) - 1)
         prefill_best = max(prefill_best, len(prompt) / (time.perf_counter() - t0))
 
-    weights = "Q4_1 (native)" if extra_bufts else "Q4_1 (no x-bufts)"
+    # The file's own quantization, as llama.cpp names it (e.g. "Q4_1", "Q4_K - Medium").
+    buf = ctypes.create_string_buffer(128)
+    L.llama_model_desc(model, buf, len(buf))
+    quant = buf.value.decode().split(" ", 2)[-1]
+    weights = f"{quant} (native)" if extra_bufts else f"{quant} (no x-bufts)"
     result = {"engine": "llama.cpp", "weights": weights, "threads": str(threads),
               "prompt_tokens": PROMPT_TOKENS, "prefill_tok_s": prefill_best}
     short = ids[:32]

@@ -333,6 +333,36 @@ fn f32_vec(t: &QTensor) -> Result<Vec<f32>, RuntimeError> {
         .to_vec1::<f32>()?)
 }
 
+/// Refuses a file whose tensors' data would run past its end (a truncated download or copy),
+/// naming the first such tensor, before anything is read or allocated for it.
+fn check_tensor_extents(
+    ct: &gguf_file::Content,
+    file: &std::fs::File,
+    path: &Path,
+) -> Result<(), RuntimeError> {
+    let len = file
+        .metadata()
+        .map_err(|e| RuntimeError::Internal(format!("{}: {e}", path.display())))?
+        .len();
+    for (name, t) in &ct.tensor_infos {
+        let elems = t.shape.elem_count() as u64;
+        let block = t.ggml_dtype.block_size() as u64;
+        let bytes = elems.div_ceil(block) * t.ggml_dtype.type_size() as u64;
+        let end = ct
+            .tensor_data_offset
+            .checked_add(t.offset)
+            .and_then(|o| o.checked_add(bytes));
+        if end.is_none_or(|end| end > len) {
+            return Err(RuntimeError::Internal(format!(
+                "{} is truncated or corrupt: tensor {name} needs {bytes} bytes at offset {}, the file has {len} bytes",
+                path.display(),
+                ct.tensor_data_offset.saturating_add(t.offset)
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Reads a GGUF's tensors by name, checking their shapes.
 struct GgufTensors<'a> {
     ct: &'a gguf_file::Content,
@@ -402,6 +432,7 @@ impl DecoderModel {
         })?;
         let ct = gguf_file::Content::read(&mut file)
             .map_err(|e| RuntimeError::Internal(format!("{}: {e}", path.display())))?;
+        check_tensor_extents(&ct, &file, path)?;
         let cfg = DecoderConfig::from_gguf(&ct)?;
         cfg.validate()?;
         let mut g = GgufTensors {
@@ -426,12 +457,18 @@ impl DecoderModel {
             ));
         }
         let (d, q_dim, kv_dim) = (cfg.d_model, cfg.q_dim(), cfg.kv_layout().kv_dim);
-        if embed.cols() != d || embed.rows() < cfg.vocab_size {
+        // The tokenizer may list more tokens than a `vocab_size` key says: every id it can
+        // produce needs an embedding row.
+        let tokens = match ct.metadata.get("tokenizer.ggml.tokens") {
+            Some(v) => v.to_vec()?.len(),
+            None => 0,
+        };
+        let vocab = cfg.vocab_size.max(tokens);
+        if embed.cols() != d || embed.rows() < vocab {
             return Err(RuntimeError::Internal(format!(
-                "token embeddings are {}x{}, the metadata says {} tokens of {d}",
+                "token embeddings are {}x{}, the metadata and tokenizer say {vocab} tokens of {d}",
                 embed.rows(),
                 embed.cols(),
-                cfg.vocab_size
             )));
         }
         if let Some(o) = &output

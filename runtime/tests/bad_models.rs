@@ -1,0 +1,96 @@
+//! Model files an operator might hand a node by mistake are refused at load with an error
+//! that names the problem: truncated, not a GGUF, an architecture the forward does not know,
+//! a vocabulary larger than the embedding table. (The real SmolLM2 file, cut or rewritten.)
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use bulkhead_runtime::models::decoder::{DecoderModel, WeightFormat};
+use candle_core::Device;
+use candle_core::quantized::gguf_file::{self, Value};
+
+fn temp_file(tag: &str) -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "bulkhead-bad-model-{tag}-{}.gguf",
+        std::process::id()
+    ))
+}
+
+fn load_error(path: &Path) -> String {
+    match DecoderModel::load(path, WeightFormat::Native, &Device::Cpu) {
+        Ok(_) => panic!("{} was loaded", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The SmolLM2 file rewritten with `edit` applied to its metadata.
+fn rewritten(tag: &str, edit: impl FnOnce(&mut Vec<(String, Value)>)) -> PathBuf {
+    let src = common::smollm2_path();
+    let mut f = std::fs::File::open(&src).unwrap();
+    let ct = gguf_file::Content::read(&mut f).unwrap();
+    let mut metadata: Vec<(String, Value)> = ct.metadata.clone().into_iter().collect();
+    edit(&mut metadata);
+    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
+    names.sort();
+    let tensors: Vec<(String, _)> = names
+        .iter()
+        .map(|n| ((*n).clone(), ct.tensor(&mut f, n, &Device::Cpu).unwrap()))
+        .collect();
+    let path = temp_file(tag);
+    let mut out = std::fs::File::create(&path).unwrap();
+    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts: Vec<(&str, _)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    gguf_file::write(&mut out, &md, &ts).unwrap();
+    path
+}
+
+#[test]
+fn a_truncated_file_is_refused_naming_the_tensor_it_cuts() {
+    let bytes = std::fs::read(common::smollm2_path()).unwrap();
+    let path = temp_file("truncated");
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let err = load_error(&path);
+    std::fs::remove_file(&path).ok();
+    assert!(err.contains("truncated") && err.contains("tensor"), "{err}");
+}
+
+#[test]
+fn a_file_that_is_not_gguf_is_refused() {
+    let path = temp_file("magic");
+    std::fs::write(&path, b"PK\x03\x04 this is a zip, not a model").unwrap();
+    let err = load_error(&path);
+    std::fs::remove_file(&path).ok();
+    assert!(err.contains("magic"), "{err}");
+}
+
+#[test]
+fn an_unknown_architecture_is_refused_by_name() {
+    let path = rewritten("arch", |md| {
+        for (k, v) in md.iter_mut() {
+            if k == "general.architecture" {
+                *v = Value::String("mamba".into());
+            }
+        }
+    });
+    let err = load_error(&path);
+    std::fs::remove_file(&path).ok();
+    assert!(err.contains("\"mamba\"") && err.contains("llama"), "{err}");
+}
+
+#[test]
+fn a_vocabulary_larger_than_the_embedding_table_is_refused() {
+    let path = rewritten("vocab", |md| {
+        for (k, v) in md.iter_mut() {
+            if let ("tokenizer.ggml.tokens", Value::Array(tokens)) = (k.as_str(), v) {
+                tokens.extend((0..10).map(|i| Value::String(format!("<extra_{i}>"))));
+            }
+        }
+    });
+    let err = load_error(&path);
+    std::fs::remove_file(&path).ok();
+    assert!(
+        err.contains("token embeddings") && err.contains("tokens"),
+        "{err}"
+    );
+}
