@@ -72,15 +72,24 @@ function stop(p) {
 
 let serveRuns = 0;
 
+// The bundled SmolLM2 file: the weights of a model an operator names (`INCIDENT`), which,
+// not being a bundled model, must give its GGUF path.
+const SMOLLM2_GGUF = path.join(
+  process.env.BULKHEAD_MODELS || path.join(os.homedir(), ".cache/bulkhead/models"),
+  "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf",
+);
+
 /** `bulkhead serve` on `port` with `data`, its embedded node serving `textModels`. */
 function startServe(textModels) {
   serveRuns += 1;
   const config = path.join(data, `serve-${serveRuns}.toml`);
   // A small served window keeps each KV pool small (512 x 2.0 = 1024 tokens).
+  const model = (m) =>
+    `[[node.text_models]]\nname = "${m}"\ncontext_window = 512\n` +
+    (m === TEXT ? "" : `path = ${JSON.stringify(SMOLLM2_GGUF)}\n`);
   fs.writeFileSync(
     config,
-    textModels.map((m) => `[[node.text_models]]\nname = "${m}"\ncontext_window = 512\n`).join("") +
-      `[[node.embedding_models]]\nname = "${EMBED}"\n`,
+    textModels.map(model).join("") + `[[node.embedding_models]]\nname = "${EMBED}"\n`,
   );
   return start(`serve-${serveRuns}`, ["serve", "--config", config], {
     BULKHEAD_ADMIN_TOKEN: ADMIN,
