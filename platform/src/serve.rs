@@ -109,7 +109,7 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
 /// Make sure every model the node serves is in the catalog: added public when missing; an
 /// entry already there (an operator's visibility, window, description) is left as it is.
 async fn seed_catalog(store: &Store, node: &Node) -> anyhow::Result<()> {
-    for (name, engine) in &node.text {
+    for (name, engine) in node.text_engines() {
         let window = engine.model().context_window as i64;
         let info = &engine.model().decoder.info;
         create_if_missing(

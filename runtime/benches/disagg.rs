@@ -157,7 +157,7 @@ fn main() {
         // every verification on and the pages imported into decode's pool; dropping the
         // accepted connection cancels the decode, which releases its pages.
         let long: String = (0..260).map(|i| format!("w{i} ")).collect();
-        let engine = prefill.text[MODEL].clone();
+        let engine = prefill.text_engine(MODEL).unwrap();
         let req = GenerateRequest {
             tenant: "bench".into(),
             input: PromptInput::Text {
@@ -198,7 +198,7 @@ fn main() {
             // Dropping the connection cancels the decode; wait until its pages are back
             // (released and poisoned) so that cleanup does not overlap the next timing.
             drop(accepted);
-            let pool = decode.text[MODEL].pool().clone();
+            let pool = decode.text_engine(MODEL).unwrap().pool().clone();
             while pool.stats().pages_free < pool.stats().pages_total {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }

@@ -81,7 +81,7 @@ fn main() -> anyhow::Result<()> {
         embedding_models: vec![],
         ..NodeConfig::default()
     })?;
-    let engine = node.text[SMOLLM2_NAME].clone();
+    let engine = node.text_engine(SMOLLM2_NAME).unwrap();
     let tok = &engine.model().tokenizer;
     // A system prompt of exactly SYSTEM_TOKENS tokens ending on a line break, so every turn
     // after it starts a new token; turns of TURN_TOKENS tokens each.

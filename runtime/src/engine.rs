@@ -1133,7 +1133,7 @@ mod tests {
             ..NodeConfig::default()
         };
         let node = Node::start(&cfg).expect("starting a node");
-        let engine = node.text[SMOLLM2_NAME].clone();
+        let engine = node.text_engine(SMOLLM2_NAME).unwrap();
         (node, engine)
     }
 

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
+use parking_lot::RwLock;
 
 use crate::admission::{DEFAULT_SAFETY_FACTOR, ServedModel, check_pool_fits};
 use crate::embed_queue::EmbedQueue;
@@ -170,6 +171,15 @@ impl NodeConfig {
     }
 }
 
+/// Why a text model was not added to a running node.
+#[derive(Debug, thiserror::Error)]
+pub enum AddModelError {
+    #[error("a model named {0} is already served")]
+    Exists(String),
+    #[error("{0}")]
+    Refused(String),
+}
+
 /// The window the default configuration serves Gemma 3 270M with.
 pub const GEMMA3_DEFAULT_WINDOW: usize = 8192;
 
@@ -182,13 +192,102 @@ pub fn bundled_text_model(name: &str) -> Option<BundledPackage> {
     }
 }
 
+/// What starting a text model needs beside its own config: the node's pool sizing, engine
+/// settings, model cache and device (kept, so a model can be added to a running node).
+struct TextModelSettings {
+    pool_tokens: Option<usize>,
+    pool_memory_mb: Option<usize>,
+    page_size: usize,
+    safety_factor: f64,
+    models_dir: PathBuf,
+    engine: EngineConfig,
+    device: candle_core::Device,
+}
+
+impl TextModelSettings {
+    /// Load `m`, size its pool, check the pool fits its window, start its engine.
+    fn start(
+        &self,
+        m: &TextModelConfig,
+        metrics: &Arc<NodeMetrics>,
+    ) -> anyhow::Result<Arc<Engine>> {
+        let path = match (&m.path, bundled_text_model(&m.name)) {
+            (Some(p), _) => p.clone(),
+            (None, Some(pkg)) => pkg.model_path_in(&self.models_dir),
+            (None, None) => bail!(
+                "{}: not a bundled model, so its GGUF file (path) must be given",
+                m.name
+            ),
+        };
+        if !path.is_file() {
+            bail!(
+                "model file {} is missing; run `bulkhead models fetch` first",
+                path.display()
+            );
+        }
+        let (decoder, gguf) = DecoderModel::load(&path, m.weights, &self.device)
+            .with_context(|| format!("loading {}", path.display()))?;
+        let tokenizer = TextTokenizer::from_gguf(&gguf)?;
+        let native = decoder.cfg.context_window;
+        let context_window = match m.context_window {
+            Some(w) if w > native => bail!(
+                "{}: context_window {w} is larger than the model's own {native}",
+                m.name
+            ),
+            Some(0) => bail!("{}: context_window must be at least 1", m.name),
+            Some(w) => w,
+            None => native,
+        };
+        let layout = decoder.cfg.kv_layout();
+        let page_size = self.page_size;
+        let pool_tokens = match (self.pool_tokens, self.pool_memory_mb) {
+            (Some(t), _) => t,
+            (None, Some(mb)) => KvPool::tokens_for_budget(layout, page_size, mb << 20),
+            (None, None) => {
+                crate::admission::required_pool_tokens(context_window, self.safety_factor)
+            }
+        };
+        let served = [ServedModel {
+            name: m.name.clone(),
+            context_window,
+        }];
+        // The pool is rounded up to whole pages; check what will actually exist.
+        let pages = pool_tokens.div_ceil(page_size.max(1)).max(1);
+        check_pool_fits(pages.saturating_mul(page_size), &served, self.safety_factor)
+            .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
+        let pool = Arc::new(KvPool::new(layout, page_size, pages));
+        tracing::info!(
+            model = %m.name,
+            context_window,
+            pool_tokens = pool.capacity_tokens(),
+            pool_mib = (pool.capacity_tokens() * layout.bytes_per_token()) >> 20,
+            "text model ready"
+        );
+        let model = Arc::new(TextModel::new(
+            m.name.clone(),
+            decoder,
+            tokenizer,
+            context_window,
+            m.system_prompt.clone().filter(|s| !s.is_empty()),
+        )?);
+        Ok(Engine::start(
+            model,
+            pool,
+            self.engine.clone(),
+            metrics.clone(),
+        ))
+    }
+}
+
 /// Everything a node serves.
 pub struct Node {
     pub role: Role,
     /// GPUs found at startup (empty on a CPU-only machine).
     pub gpus: Vec<crate::device::GpuInfo>,
     pub safety_factor: f64,
-    pub text: BTreeMap<String, Arc<Engine>>,
+    /// Text models by name: set at start, changed by `add_text_model` / `remove_text_model`.
+    text: RwLock<BTreeMap<String, Arc<Engine>>>,
+    text_settings: TextModelSettings,
     pub embed: BTreeMap<String, Arc<EmbedQueue>>,
     pub metrics: Arc<NodeMetrics>,
     pub transfer: TransferConfig,
@@ -237,6 +336,11 @@ impl Node {
                 )
             })?;
         }
+        // The model compute pool, named: a thread that starts it would otherwise lend it its
+        // own name (an engine's, say). Already built (another node in this process): kept.
+        let _ = rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("compute-{i}"))
+            .build_global();
         let gpus = crate::device::discover_gpus();
         for g in &gpus {
             tracing::info!(ordinal = g.ordinal, name = %g.name, free_mib = g.free_bytes >> 20, "GPU found");
@@ -249,72 +353,21 @@ impl Node {
         );
         let metrics = Arc::new(NodeMetrics::new());
         let models_dir = cfg.models_dir();
+        let settings = TextModelSettings {
+            pool_tokens: cfg.pool_tokens,
+            pool_memory_mb: cfg.pool_memory_mb,
+            page_size: cfg.page_size,
+            safety_factor: cfg.safety_factor,
+            models_dir: models_dir.clone(),
+            engine: cfg.engine.clone(),
+            device: device.clone(),
+        };
         let mut text = BTreeMap::new();
         for m in &cfg.text_models {
-            let path = match (&m.path, bundled_text_model(&m.name)) {
-                (Some(p), _) => p.clone(),
-                (None, Some(pkg)) => pkg.model_path_in(&models_dir),
-                (None, None) => bail!(
-                    "{}: not a bundled model, so its GGUF file (path) must be given",
-                    m.name
-                ),
-            };
-            if !path.is_file() {
-                bail!(
-                    "model file {} is missing; run `bulkhead models fetch` first",
-                    path.display()
-                );
+            if text.contains_key(&m.name) {
+                bail!("{}: served twice (text_models)", m.name);
             }
-            let (decoder, gguf) = DecoderModel::load(&path, m.weights, &device)
-                .with_context(|| format!("loading {}", path.display()))?;
-            let tokenizer = TextTokenizer::from_gguf(&gguf)?;
-            let native = decoder.cfg.context_window;
-            let context_window = match m.context_window {
-                Some(w) if w > native => bail!(
-                    "{}: context_window {w} is larger than the model's own {native}",
-                    m.name
-                ),
-                Some(0) => bail!("{}: context_window must be at least 1", m.name),
-                Some(w) => w,
-                None => native,
-            };
-            let layout = decoder.cfg.kv_layout();
-            let pool_tokens = match (cfg.pool_tokens, cfg.pool_memory_mb) {
-                (Some(t), _) => t,
-                (None, Some(mb)) => KvPool::tokens_for_budget(layout, cfg.page_size, mb << 20),
-                (None, None) => {
-                    crate::admission::required_pool_tokens(context_window, cfg.safety_factor)
-                }
-            };
-            let served = [ServedModel {
-                name: m.name.clone(),
-                context_window,
-            }];
-            // The pool is rounded up to whole pages; check what will actually exist.
-            let pages = pool_tokens.div_ceil(cfg.page_size.max(1)).max(1);
-            check_pool_fits(
-                pages.saturating_mul(cfg.page_size),
-                &served,
-                cfg.safety_factor,
-            )
-            .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
-            let pool = Arc::new(KvPool::new(layout, cfg.page_size, pages));
-            tracing::info!(
-                model = %m.name,
-                context_window,
-                pool_tokens = pool.capacity_tokens(),
-                pool_mib = (pool.capacity_tokens() * layout.bytes_per_token()) >> 20,
-                "text model ready"
-            );
-            let model = Arc::new(TextModel::new(
-                m.name.clone(),
-                decoder,
-                tokenizer,
-                context_window,
-                m.system_prompt.clone().filter(|s| !s.is_empty()),
-            )?);
-            let engine = Engine::start(model, pool, cfg.engine.clone(), metrics.clone());
-            text.insert(m.name.clone(), engine);
+            text.insert(m.name.clone(), settings.start(m, &metrics)?);
         }
         let mut embed = BTreeMap::new();
         for m in &cfg.embedding_models {
@@ -336,7 +389,8 @@ impl Node {
             role: cfg.role,
             gpus,
             safety_factor: cfg.safety_factor,
-            text,
+            text: RwLock::new(text),
+            text_settings: settings,
             embed,
             metrics,
             transfer: cfg.transfer.clone(),
@@ -381,9 +435,63 @@ impl Node {
         Ok((data, tokens))
     }
 
+    /// The engine serving text model `name`.
+    pub fn text_engine(&self, name: &str) -> Option<Arc<Engine>> {
+        self.text.read().get(name).cloned()
+    }
+
+    /// Every text model's engine, by name.
+    pub fn text_engines(&self) -> Vec<(String, Arc<Engine>)> {
+        self.text
+            .read()
+            .iter()
+            .map(|(n, e)| (n.clone(), e.clone()))
+            .collect()
+    }
+
+    /// Load and serve another text model without a restart, sized and checked as at start.
+    /// Refused, the node serving the others as before, when the name is taken or the file,
+    /// window or pool is not right (the error names the problem). Blocking: seconds of load.
+    pub fn add_text_model(&self, m: &TextModelConfig) -> Result<ServedModel, AddModelError> {
+        if self.is_served(&m.name) {
+            return Err(AddModelError::Exists(m.name.clone()));
+        }
+        let engine = self
+            .text_settings
+            .start(m, &self.metrics)
+            .map_err(|e| AddModelError::Refused(format!("{e:#}")))?;
+        let served = ServedModel {
+            name: m.name.clone(),
+            context_window: engine.model().context_window,
+        };
+        let mut text = self.text.write();
+        // Another add of the same name may have finished while this one loaded.
+        if text.contains_key(&m.name) || self.embed.contains_key(&m.name) {
+            return Err(AddModelError::Exists(m.name.clone()));
+        }
+        text.insert(m.name.clone(), engine);
+        Ok(served)
+    }
+
+    /// Stop serving text model `name`. New requests get "unknown model" at once; the engine
+    /// finishes what it admitted and queued, then its thread ends and its weights and pool
+    /// are freed (when the last request holding it is done).
+    pub fn remove_text_model(&self, name: &str) -> Option<ServedModel> {
+        let engine = self.text.write().remove(name)?;
+        Some(ServedModel {
+            name: name.to_string(),
+            context_window: engine.model().context_window,
+        })
+    }
+
+    fn is_served(&self, name: &str) -> bool {
+        self.text.read().contains_key(name) || self.embed.contains_key(name)
+    }
+
     /// The models with their windows, as the capacity check and the control plane see them.
     pub fn served_models(&self) -> Vec<ServedModel> {
         self.text
+            .read()
             .iter()
             .map(|(name, e)| ServedModel {
                 name: name.clone(),

@@ -1,5 +1,6 @@
-//! The node's internal HTTP API (axum): generate (SSE and not), embed, health, state, metrics.
-//! Every route but `/health` needs the node's API token (`node_auth`).
+//! The node's internal HTTP API (axum): generate (SSE and not), embed, health, state, metrics,
+//! and text models added to or removed from the running node. Every route but `/health` needs
+//! the node's API token (`node_auth`).
 //!
 //! Status codes: 200 only for a request served in full; context overflow 413, bad input
 //! 400, overload 503 with Retry-After, isolation or internal failure 500. A streaming
@@ -9,11 +10,11 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -23,7 +24,7 @@ use crate::chat::ChatMessage;
 use crate::engine::{FinishReason, GenEvent, GenerateRequest, PrefixCaching, PromptInput, Usage};
 use crate::error::RuntimeError;
 use crate::kv::PoolStats;
-use crate::node::{Node, Role};
+use crate::node::{AddModelError, Node, Role, TextModelConfig};
 use crate::sampling::SamplingParams;
 
 /// Largest request body the node accepts.
@@ -137,6 +138,9 @@ pub fn router(node: Arc<Node>) -> Router {
         .route("/v1/state", get(state))
         .route("/v1/generate", post(generate))
         .route("/v1/embed", post(embed))
+        // Text models an operator adds to or removes from the running node.
+        .route("/v1/models", post(add_model))
+        .route("/v1/models/{*name}", delete(remove_model))
         .route("/metrics", get(metrics))
         // Every answer, a wrong path or method included, is in the node's error shape.
         .fallback(|| async { error_response(StatusCode::NOT_FOUND, "not_found", "no such route") })
@@ -180,10 +184,10 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, RuntimeError>
 
 pub fn node_state(node: &Node) -> NodeState {
     let mut models: Vec<ModelState> = node
-        .text
-        .iter()
+        .text_engines()
+        .into_iter()
         .map(|(name, e)| ModelState {
-            name: name.clone(),
+            name,
             task: "text-generation".into(),
             context_window: e.model().context_window,
             pool: Some(e.pool().stats()),
@@ -206,6 +210,51 @@ pub fn node_state(node: &Node) -> NodeState {
         gpus: node.gpus.clone(),
         safety_factor: node.safety_factor,
         models,
+    }
+}
+
+/// `POST /v1/models` with a text model's config (as in `[[text_models]]`): load it and serve
+/// it beside the others. 200 with its name and window; 409 when the name is served; 400 naming
+/// what is wrong with the file, window or pool (the node goes on serving the others).
+async fn add_model(
+    State(node): State<Arc<Node>>,
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(r) => return body_rejection(r),
+    };
+    let config: TextModelConfig = match parse(&body) {
+        Ok(c) => c,
+        Err(e) => return ApiError(e).into_response(),
+    };
+    // Loading takes seconds of CPU: off the async workers.
+    let adding = node.clone();
+    match tokio::task::spawn_blocking(move || adding.add_text_model(&config)).await {
+        Ok(Ok(served)) => Json(served).into_response(),
+        Ok(Err(e @ AddModelError::Exists(_))) => {
+            error_response(StatusCode::CONFLICT, "model_exists", &e.to_string())
+        }
+        Ok(Err(e @ AddModelError::Refused(_))) => {
+            error_response(StatusCode::BAD_REQUEST, "bad_model", &e.to_string())
+        }
+        Err(e) => error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            &format!("loading the model failed: {e}"),
+        ),
+    }
+}
+
+/// `DELETE /v1/models/{name}`: stop serving a text model; what it admitted finishes first.
+async fn remove_model(State(node): State<Arc<Node>>, Path(name): Path<String>) -> Response {
+    match node.remove_text_model(&name) {
+        Some(served) => Json(served).into_response(),
+        None => error_response(
+            StatusCode::NOT_FOUND,
+            "unknown_model",
+            &format!("no text model {name:?} is served here"),
+        ),
     }
 }
 
@@ -237,9 +286,7 @@ async fn generate(
 async fn generate_parsed(node: Arc<Node>, body: &[u8]) -> Result<Response, ApiError> {
     let body: GenerateBody = parse(body)?;
     let engine = node
-        .text
-        .get(&body.model)
-        .cloned()
+        .text_engine(&body.model)
         .ok_or_else(|| RuntimeError::UnknownModel(body.model.clone()))?;
     let input = match (body.prompt, body.messages) {
         (Some(prompt), None) => PromptInput::Text {

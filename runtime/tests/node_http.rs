@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use bulkhead_runtime::engine::EngineConfig;
 use bulkhead_runtime::node::{
-    EmbeddingModelConfig, MINILM_NAME, Node, NodeConfig, SMOLLM2_NAME, TextModelConfig,
+    EmbeddingModelConfig, GEMMA3_NAME, MINILM_NAME, Node, NodeConfig, SMOLLM2_NAME, TextModelConfig,
 };
 use bulkhead_runtime::server::{GenerateResponse, NodeState};
 use serde_json::{Value, json};
@@ -108,7 +108,7 @@ impl TestNode {
     }
 
     fn pool_is_full(&self) -> bool {
-        let s = self.node.text[SMOLLM2_NAME].pool().stats();
+        let s = self.node.text_engine(SMOLLM2_NAME).unwrap().pool().stats();
         s.pages_free == s.pages_total && s.pages_reserved == 0
     }
 }
@@ -127,7 +127,7 @@ fn long_prompt(words: usize) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn oversized_prompt_gets_413_with_numbers_and_touches_no_page() {
     let n = TestNode::start(512, None, 2.0, EngineConfig::default()).await;
-    let before = n.node.text[SMOLLM2_NAME].pool().stats();
+    let before = n.node.text_engine(SMOLLM2_NAME).unwrap().pool().stats();
 
     let (status, body, _) = n.generate(ask("t1", &long_prompt(400), 16)).await;
     assert_eq!(status, 413, "{body}");
@@ -145,7 +145,7 @@ async fn oversized_prompt_gets_413_with_numbers_and_touches_no_page() {
     );
 
     assert_eq!(
-        n.node.text[SMOLLM2_NAME].pool().stats(),
+        n.node.text_engine(SMOLLM2_NAME).unwrap().pool().stats(),
         before,
         "a rejected request touches no page"
     );
@@ -407,7 +407,7 @@ async fn a_client_that_disconnects_mid_stream_frees_its_pages() {
     // The engine notices between steps; wait for it, bounded.
     let mut freed = false;
     for _ in 0..200 {
-        if n.pool_is_full() && n.node.text[SMOLLM2_NAME].running() == 0 {
+        if n.pool_is_full() && n.node.text_engine(SMOLLM2_NAME).unwrap().running() == 0 {
             freed = true;
             break;
         }
@@ -461,4 +461,107 @@ async fn the_node_api_refuses_callers_without_its_token() {
     // The token's holder is served.
     let (status, body, _) = n.generate(ask("acme", "Say hi", 4)).await;
     assert_eq!(status, 200, "{body}");
+}
+
+/// An operator adds a second model family to a running node, it is served beside the first,
+/// then removed: new requests for it are refused at once, its engine winds down, and the
+/// name can be added again. A bad file is refused by name and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_text_model_is_added_to_a_running_node_served_and_removed() {
+    let n = TestNode::start(512, None, 2.0, EngineConfig::default()).await;
+    let url = |p: &str| format!("http://{}{p}", n.addr);
+    let add = |body: Value| {
+        let sent = n.http.post(url("/v1/models")).json(&body).send();
+        async {
+            let r = sent.await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let remove = |name: &str| {
+        let r = n.http.delete(url(&format!("/v1/models/{name}"))).send();
+        async { r.await.unwrap().status().as_u16() }
+    };
+    let berlin = |model: &str| {
+        json!({"model": model, "tenant": "t", "raw": true, "max_tokens": 6, "temperature": 0.0,
+               "prompt": "The capital of France is Paris. The capital of Germany is"})
+    };
+
+    let bad =
+        std::env::temp_dir().join(format!("bulkhead-not-a-model-{}.gguf", std::process::id()));
+    std::fs::write(&bad, b"not a gguf at all").unwrap();
+    let (s, body) = add(json!({"name": "@cf/test/broken", "path": bad})).await;
+    std::fs::remove_file(&bad).ok();
+    assert_eq!(s, 400, "{body}");
+    assert_eq!(body["error"]["code"], "bad_model", "{body}");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("magic"),
+        "{body}"
+    );
+    let (s, body) = add(json!({"name": "@cf/test/unknown"})).await;
+    assert_eq!(s, 400, "{body}");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("path"),
+        "{body}"
+    );
+    let (s, body) = add(json!({"name": SMOLLM2_NAME})).await;
+    assert_eq!(s, 409, "{body}");
+    assert_eq!(
+        n.state().await.models.len(),
+        2,
+        "SmolLM2 and MiniLM, nothing else"
+    );
+
+    let (s, body) =
+        add(json!({"name": GEMMA3_NAME, "context_window": 256, "system_prompt": ""})).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(body["context_window"], 256, "{body}");
+    for model in [GEMMA3_NAME, SMOLLM2_NAME] {
+        let (s, body, _) = n.generate(berlin(model)).await;
+        assert_eq!(s, 200, "{model}: {body}");
+        assert!(
+            body["response"].as_str().unwrap().contains("Berlin"),
+            "{model}: {body}"
+        );
+    }
+    let state = n.state().await;
+    let gemma = state
+        .models
+        .iter()
+        .find(|m| m.name == GEMMA3_NAME)
+        .expect("listed");
+    assert_eq!(gemma.context_window, 256);
+    assert!(
+        gemma.pool.as_ref().unwrap().pages_total * 16 >= 512,
+        "{gemma:?}"
+    );
+    let (s, body) = add(json!({"name": GEMMA3_NAME})).await;
+    assert_eq!(s, 409, "{body}");
+
+    assert_eq!(remove(GEMMA3_NAME).await, 200);
+    // Its engine thread (which owns the weights and the pool) ends: the memory is freed.
+    let engine_threads = || {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|name| name.starts_with("engine-@cf/goog"))
+            .count()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while engine_threads() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the removed model's engine still runs"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let (s, body, _) = n.generate(berlin(GEMMA3_NAME)).await;
+    assert_eq!(s, 400, "{body}");
+    assert_eq!(body["error"]["code"], "unknown_model", "{body}");
+    assert_eq!(remove(GEMMA3_NAME).await, 404);
+    let (s, _, _) = n.generate(berlin(SMOLLM2_NAME)).await;
+    assert_eq!(s, 200, "the other model is untouched");
+    // The name is free again.
+    let (s, body) = add(json!({"name": GEMMA3_NAME, "context_window": 128})).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(remove(GEMMA3_NAME).await, 200);
 }

@@ -57,7 +57,7 @@ fn run(
     cache: PrefixCaching,
     max_tokens: usize,
 ) -> Answer {
-    let engine = &node.text[SMOLLM2_NAME];
+    let engine = &node.text_engine(SMOLLM2_NAME).unwrap();
     let start = Instant::now();
     let mut sub = engine
         .submit(GenerateRequest {
@@ -99,7 +99,7 @@ fn run(
 
 /// Tokens two prompts share from their start.
 fn shared_tokens(node: &Node, a: &PromptInput, b: &PromptInput) -> usize {
-    let engine = &node.text[SMOLLM2_NAME];
+    let engine = &node.text_engine(SMOLLM2_NAME).unwrap();
     let (a, b) = (
         engine.tokenize_prompt(a, None).unwrap(),
         engine.tokenize_prompt(b, None).unwrap(),
@@ -163,7 +163,7 @@ fn a_tenant_reuses_its_prefix_and_answers_as_if_uncached() {
     assert_eq!(again.usage.cached_tokens, (len / PAGE * PAGE).min(len - 1));
     assert_eq!(again.text, uncached.text);
 
-    let pool = node.text[SMOLLM2_NAME].pool().stats();
+    let pool = node.text_engine(SMOLLM2_NAME).unwrap().pool().stats();
     assert_eq!(pool.isolation_violations, 0);
     assert_eq!(pool.pages_free, pool.pages_total, "no page left held");
     assert!(pool.pages_cached > 0 && pool.cache_hits > 0);
@@ -222,7 +222,7 @@ fn another_tenant_cannot_time_whether_a_prompt_was_sent() {
     const PROBES: usize = 50;
     const WORDS: usize = 160;
     let node = node();
-    let engine = node.text[SMOLLM2_NAME].clone();
+    let engine = node.text_engine(SMOLLM2_NAME).unwrap().clone();
     let tokens = |p: &str| {
         engine
             .tokenize_prompt(

@@ -55,7 +55,7 @@ fn a_window_larger_than_the_model_is_refused() {
 #[test]
 fn a_pool_that_fits_starts() {
     let node = Node::start(&config(2048, 1024, 2.0)).unwrap();
-    let pool = node.text[SMOLLM2_NAME].pool().stats();
+    let pool = node.text_engine(SMOLLM2_NAME).unwrap().pool().stats();
     assert_eq!(pool.capacity_tokens, 2048);
 }
 

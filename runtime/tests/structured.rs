@@ -40,7 +40,7 @@ async fn generate(
     prompt: &str,
     params: SamplingParams,
 ) -> Result<(String, FinishReason), String> {
-    let engine = &node.text[SMOLLM2_NAME];
+    let engine = &node.text_engine(SMOLLM2_NAME).unwrap();
     let req = GenerateRequest {
         tenant: "t".into(),
         input: PromptInput::Messages(vec![ChatMessage::new("user", prompt.into())]),
@@ -298,7 +298,7 @@ async fn sampled_tool_calls_name_a_tool_and_hold_to_its_schema() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tools_reach_the_prompt_and_a_bad_tool_is_refused() {
     let node = tokio::task::spawn_blocking(node).await.unwrap();
-    let engine = &node.text[SMOLLM2_NAME];
+    let engine = &node.text_engine(SMOLLM2_NAME).unwrap();
     let input = PromptInput::Messages(vec![ChatMessage::new("user", "Weather?".into())]);
     let params = with_tools(ToolChoice::Auto, true, 0.0, 0);
     let with = engine

@@ -123,7 +123,7 @@ impl Inference {
     ) -> Result<Vec<Route>, ApiError> {
         let mut routes: Vec<(usize, Route)> = Vec::new();
         let mut unfit = None;
-        if let Some(engine) = self.node.text.get(&model.name) {
+        if let Some(engine) = self.node.text_engine(&model.name) {
             let fit = pool_fit(model, engine.pool().capacity_tokens(), self.safety_factor);
             match unfit_reason("embedded", &fit) {
                 None => routes.push((

@@ -149,7 +149,7 @@ fn gate(s: &SharedState, m: &ModelRecord) -> Vec<serde_json::Value> {
         })
     };
     let mut out = Vec::new();
-    if let Some(engine) = inference.node.text.get(&m.name) {
+    if let Some(engine) = inference.node.text_engine(&m.name) {
         out.push(verdict("embedded", engine.pool().capacity_tokens()));
     } else if inference.node.embed.contains_key(&m.name) {
         out.push(serde_json::json!({"node": "embedded", "fits": true, "reason": null}));

@@ -220,9 +220,7 @@ async fn receive(
         .await
         .map_err(before)?;
     let engine = node
-        .text
-        .get(&hello.model)
-        .cloned()
+        .text_engine(&hello.model)
         .ok_or_else(|| before(RuntimeError::UnknownModel(hello.model.clone())))?;
     let mut guard = admit(&engine, &hello).await.map_err(before)?;
     tx.write_empty(wr, Kind::Accept)
