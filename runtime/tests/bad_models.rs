@@ -94,3 +94,15 @@ fn a_vocabulary_larger_than_the_embedding_table_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn a_rope_of_no_dimensions_is_refused_before_a_request_could_trip_on_it() {
+    // Loaded, it would panic in the engine's first step (rope walks heads in pairs).
+    let path = rewritten("rope", |md| {
+        md.retain(|(k, _)| k != "llama.rope.dimension_count");
+        md.push(("llama.rope.dimension_count".into(), Value::U32(0)));
+    });
+    let err = load_error(&path);
+    std::fs::remove_file(&path).ok();
+    assert!(err.contains("rope dimension 0"), "{err}");
+}

@@ -286,7 +286,12 @@ impl DecoderConfig {
                 self.n_head, self.n_kv_head
             ));
         }
-        if self.head_dim == 0 || self.rope_dim > self.head_dim || !self.rope_dim.is_multiple_of(2) {
+        // At least one rotated pair: the rope loops walk the head in pairs of `rope_dim / 2`.
+        if self.head_dim == 0
+            || self.rope_dim < 2
+            || self.rope_dim > self.head_dim
+            || !self.rope_dim.is_multiple_of(2)
+        {
             return bad(format!(
                 "rope dimension {} for heads of {}",
                 self.rope_dim, self.head_dim
@@ -347,15 +352,19 @@ fn check_tensor_extents(
     for (name, t) in &ct.tensor_infos {
         let elems = t.shape.elem_count() as u64;
         let block = t.ggml_dtype.block_size() as u64;
-        let bytes = elems.div_ceil(block) * t.ggml_dtype.type_size() as u64;
-        let end = ct
-            .tensor_data_offset
-            .checked_add(t.offset)
-            .and_then(|o| o.checked_add(bytes));
+        let bytes = elems
+            .div_ceil(block)
+            .checked_mul(t.ggml_dtype.type_size() as u64);
+        let end = bytes.and_then(|b| {
+            ct.tensor_data_offset
+                .checked_add(t.offset)
+                .and_then(|o| o.checked_add(b))
+        });
         if end.is_none_or(|end| end > len) {
             return Err(RuntimeError::Internal(format!(
-                "{} is truncated or corrupt: tensor {name} needs {bytes} bytes at offset {}, the file has {len} bytes",
+                "{} is truncated or corrupt: tensor {name} needs {} bytes at offset {}, the file has {len} bytes",
                 path.display(),
+                bytes.map_or("more than 2^64".to_string(), |b| b.to_string()),
                 ct.tensor_data_offset.saturating_add(t.offset)
             )));
         }

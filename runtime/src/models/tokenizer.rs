@@ -104,6 +104,15 @@ fn metadata<'a>(
         .ok_or_else(|| internal(format!("GGUF metadata has no {key}")))
 }
 
+/// Each token's text to its id.
+fn vocab_of(tokens: &[String]) -> Vocab {
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect()
+}
+
 /// Byte-level BPE from the GGUF's tokens and merges, with the pre-tokenizer llama.cpp uses for
 /// SmolLM2 (individual digits, then ByteLevel without prefix space).
 fn byte_level_bpe(ct: &gguf_file::Content, tokens: &[String]) -> Result<Tokenizer, RuntimeError> {
@@ -117,11 +126,7 @@ fn byte_level_bpe(ct: &gguf_file::Content, tokens: &[String]) -> Result<Tokenize
                 .ok_or_else(|| candle_core::Error::Msg(format!("bad merge {m:?}")))
         })
         .collect::<Result<_, _>>()?;
-    let vocab: Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
-        .collect();
+    let vocab = vocab_of(tokens);
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
@@ -185,11 +190,7 @@ fn sentencepiece_bpe(
         .into_iter()
         .map(|(_, l, r)| (tokens[l as usize].clone(), tokens[r as usize].clone()))
         .collect();
-    let vocab: Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
-        .collect();
+    let vocab = vocab_of(tokens);
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .byte_fallback(true)
