@@ -74,6 +74,7 @@ fn main() -> anyhow::Result<()> {
         text_models: vec![TextModelConfig {
             name: SMOLLM2_NAME.into(),
             path: None,
+            package: None,
             weights: Default::default(),
             context_window: Some(2048),
             system_prompt: None,

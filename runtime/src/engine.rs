@@ -1125,6 +1125,7 @@ mod tests {
             text_models: vec![TextModelConfig {
                 name: SMOLLM2_NAME.into(),
                 path: None,
+                package: None,
                 weights: Default::default(),
                 context_window: Some(256),
                 system_prompt: None,

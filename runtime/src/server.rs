@@ -94,6 +94,9 @@ pub struct ModelState {
     /// Per-token K/V shape (text models): what a KV transfer must match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_layout: Option<crate::kv::KvLayout>,
+    /// What the model file says of itself (text models): name, family, quantization, license.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub info: Option<crate::models::decoder::ModelInfo>,
     pub queue_depth: usize,
     pub running: usize,
 }
@@ -182,19 +185,24 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, RuntimeError>
         .map_err(|e| RuntimeError::BadInput(format!("invalid JSON body: {e}")))
 }
 
+fn text_model_state(name: String, e: &crate::engine::Engine) -> ModelState {
+    ModelState {
+        name,
+        task: "text-generation".into(),
+        context_window: e.model().context_window,
+        pool: Some(e.pool().stats()),
+        kv_layout: Some(e.pool().layout()),
+        info: Some(e.model().decoder.info.clone()),
+        queue_depth: e.queue_depth(),
+        running: e.running(),
+    }
+}
+
 pub fn node_state(node: &Node) -> NodeState {
     let mut models: Vec<ModelState> = node
         .text_engines()
         .into_iter()
-        .map(|(name, e)| ModelState {
-            name,
-            task: "text-generation".into(),
-            context_window: e.model().context_window,
-            pool: Some(e.pool().stats()),
-            kv_layout: Some(e.pool().layout()),
-            queue_depth: e.queue_depth(),
-            running: e.running(),
-        })
+        .map(|(name, e)| text_model_state(name, &e))
         .collect();
     models.extend(node.embed.iter().map(|(name, e)| ModelState {
         name: name.clone(),
@@ -202,6 +210,7 @@ pub fn node_state(node: &Node) -> NodeState {
         context_window: e.encoder().max_tokens,
         pool: None,
         kv_layout: None,
+        info: None,
         queue_depth: e.queue_depth(),
         running: 0,
     }));
@@ -214,8 +223,10 @@ pub fn node_state(node: &Node) -> NodeState {
 }
 
 /// `POST /v1/models` with a text model's config (as in `[[text_models]]`): load it and serve
-/// it beside the others. 200 with its name and window; 409 when the name is served; 400 naming
-/// what is wrong with the file, window or pool (the node goes on serving the others).
+/// it beside the others (a `package` is fetched and checked first). 200 with its state as
+/// `/v1/state` lists it (window, pool, what the file says of itself); 409 when the name is
+/// served; 400 naming what is wrong with the source, file, window or pool (the node goes on
+/// serving the others).
 async fn add_model(
     State(node): State<Arc<Node>>,
     body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
@@ -231,7 +242,15 @@ async fn add_model(
     // Loading takes seconds of CPU: off the async workers.
     let adding = node.clone();
     match tokio::task::spawn_blocking(move || adding.add_text_model(&config)).await {
-        Ok(Ok(served)) => Json(served).into_response(),
+        Ok(Ok(served)) => match node.text_engine(&served.name) {
+            Some(engine) => Json(text_model_state(served.name, &engine)).into_response(),
+            // Removed again between the add and this answer.
+            None => error_response(
+                StatusCode::CONFLICT,
+                "model_removed",
+                &format!("{} was removed while it was being added", served.name),
+            ),
+        },
         Ok(Err(e @ AddModelError::Exists(_))) => {
             error_response(StatusCode::CONFLICT, "model_exists", &e.to_string())
         }

@@ -33,6 +33,7 @@ impl TestNode {
             text_models: vec![TextModelConfig {
                 name: SMOLLM2_NAME.into(),
                 path: None,
+                package: None,
                 weights: Default::default(),
                 context_window: Some(context_window),
                 system_prompt: Some(bulkhead_runtime::node::DEFAULT_SYSTEM_PROMPT.into()),
@@ -515,6 +516,7 @@ async fn a_text_model_is_added_to_a_running_node_served_and_removed() {
         add(json!({"name": GEMMA3_NAME, "context_window": 256, "system_prompt": ""})).await;
     assert_eq!(s, 200, "{body}");
     assert_eq!(body["context_window"], 256, "{body}");
+    assert_eq!(body["info"]["family"], "gemma3", "{body}");
     for model in [GEMMA3_NAME, SMOLLM2_NAME] {
         let (s, body, _) = n.generate(berlin(model)).await;
         assert_eq!(s, 200, "{model}: {body}");

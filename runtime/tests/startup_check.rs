@@ -13,6 +13,7 @@ fn config(pool_tokens: usize, window: usize, factor: f64) -> NodeConfig {
         text_models: vec![TextModelConfig {
             name: SMOLLM2_NAME.into(),
             path: None,
+            package: None,
             weights: Default::default(),
             context_window: Some(window),
             system_prompt: None,

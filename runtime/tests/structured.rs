@@ -24,6 +24,7 @@ fn node() -> Arc<Node> {
         text_models: vec![TextModelConfig {
             name: SMOLLM2_NAME.into(),
             path: None,
+            package: None,
             weights: Default::default(),
             context_window: Some(1024),
             system_prompt: Some(bulkhead_runtime::node::DEFAULT_SYSTEM_PROMPT.into()),

@@ -36,7 +36,7 @@ pub enum WeightFormat {
 }
 
 /// The model families the forward knows, by GGUF `general.architecture`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Family {
     /// `llama`: SmolLM2 and the other Llama-shaped models.
@@ -65,7 +65,7 @@ impl Family {
 }
 
 /// What a model file says about itself, for the catalog.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ModelInfo {
     /// `general.name`, e.g. "Gemma 3 270m".
     pub name: String,

