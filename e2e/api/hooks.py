@@ -10,6 +10,9 @@ Two things the document cannot say for itself, each with its reason:
   `tool_choice` and `parallel_tool_calls` apply only with `tools`, and `response_format`
   does not combine with them: rules across fields and inside schemas, which the document
   cannot state. Schema-valid cases get compilable schemas and follow those rules.
+- A model `source` naming a `package` makes the node download that wheel from the package
+  index: the run stays off the network, so such a source names a GGUF path that does not
+  exist instead (the node refuses it with 400, as it would a wheel that is not there).
 - JSON Schema counts 8.0 as an integer; Bulkhead, like the OpenAI API and serde, takes an
   integer field only as an integer literal (8.0 is refused with 400 naming the field). So
   whole floats that hypothesis writes in place of integers are sent as integers.
@@ -80,10 +83,19 @@ def _follow_tool_rules(body, openai):
             fmt["json_schema"] = {"type": "object"}
 
 
+def _no_downloads(body):
+    source = body.get("source")
+    if isinstance(source, dict) and "package" in source:
+        source.pop("package")
+        source["path"] = "/nonexistent/schemathesis/model.gguf"
+
+
 @schemathesis.hook
 def before_call(context, case, kwargs):
     if isinstance(case.body, (dict, list)) and case.media_type and "json" in case.media_type:
         case.body = _integers(case.body)
+        if isinstance(case.body, dict) and case.path == "/admin/v1/models":
+            _no_downloads(case.body)
         meta = case.meta
         if isinstance(case.body, dict) and meta is not None and meta.generation.mode.is_positive:
             _follow_tool_rules(case.body, openai=case.path.endswith("/chat/completions"))

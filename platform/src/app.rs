@@ -70,7 +70,10 @@ pub fn router(state: SharedState) -> Router {
             "/admin/v1/models",
             get(admin::list_models).post(admin::create_model),
         )
-        .route("/admin/v1/models/{*name}", patch(admin::update_model))
+        .route(
+            "/admin/v1/models/{*name}",
+            patch(admin::update_model).delete(admin::delete_model),
+        )
         .route("/admin/v1/nodes", get(admin::list_nodes))
         .route(
             "/admin/v1/nodes/{id}/tokens",

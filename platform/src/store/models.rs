@@ -289,6 +289,25 @@ impl Store {
         Ok((before, after))
     }
 
+    /// Removes model `name` from the catalog (its usage rows stay: they are history) and
+    /// bumps the catalog version; the removed row, or [`StoreError::NotFound`].
+    pub async fn delete_model(&self, name: &str) -> Result<ModelRecord, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        if !lock_model(&mut tx, name).await? {
+            return Err(missing(name));
+        }
+        let before = fetch_model(&mut tx, name)
+            .await?
+            .ok_or_else(|| missing(name))?;
+        sqlx::query("DELETE FROM models WHERE name = $1")
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
+        bump_version(&mut tx).await?;
+        tx.commit().await?;
+        Ok(before)
+    }
+
     /// A counter bumped by every model insert and update and every token revocation.
     pub async fn catalog_version(&self) -> Result<i64, StoreError> {
         let v: i64 = sqlx::query_scalar("SELECT version FROM catalog_meta WHERE id = 1")
