@@ -75,6 +75,7 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
         None => None,
     };
     seed_catalog(&store, &node).await?;
+    crate::inference::placement::restore_embedded(&store, &node).await?;
     let catalog = Catalog::load(&store).await?;
     catalog.spawn_refresher(store.clone());
     if let Some(r) = &redis {
@@ -96,6 +97,7 @@ pub async fn build(cfg: &ServeConfig) -> anyhow::Result<(SharedState, Option<Str
         limits: RateLimiter::new(cfg.limits, redis.clone()),
         usage,
         safety_factor: cfg.node.safety_factor,
+        restorations: Default::default(),
     });
     let state = Arc::new(AppState {
         store,

@@ -74,7 +74,7 @@ async fn an_operator_adds_a_model_to_the_embedded_node_publishes_serves_and_remo
     for m in &mut cfg.node.text_models {
         m.context_window = Some(512);
     }
-    let srv = Server::start_with(cfg).await;
+    let srv = Server::start_with(cfg.clone()).await;
     let (acct, _, tok) = srv.tenant("acme").await;
     let gemma_file = GEMMA3_270M.model_path_in(&default_cache_dir());
     let add = |body: Value| srv.admin_call(Method::POST, "/admin/v1/models", Some(body));
@@ -176,6 +176,12 @@ async fn an_operator_adds_a_model_to_the_embedded_node_publishes_serves_and_remo
     assert_eq!(s, 400, "{body}");
     assert_eq!(body["errors"][0]["code"], 5007, "{body}");
     publish_and_ask(&srv, &acct, &tok, GEMMA3_NAME).await;
+
+    // A restart serves it again, public as it was, from its stored source.
+    srv.stop().await;
+    let srv = Server::start_with(cfg).await;
+    let (s, body) = complete(&srv, &acct, &tok, GEMMA3_NAME, BERLIN).await;
+    assert_eq!(s, 200, "{body}");
     let (_, audit) = srv
         .admin_call(
             Method::GET,
@@ -222,6 +228,55 @@ async fn an_operator_adds_a_model_to_the_embedded_node_publishes_serves_and_remo
 
 /// The same through a remote node's API: the control plane asks the node (with the node's
 /// own credential) to load a file it has, routes to it once published, and unloads it.
+/// A remote node as `bulkhead node --control-plane` runs it, id `node-1`, starting with no
+/// model at all: its API on a loopback port and its heartbeats.
+struct RemoteNode {
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RemoteNode {
+    async fn start(srv: &Server, credential: &str) -> (Arc<Node>, RemoteNode) {
+        let node_cfg = NodeConfig {
+            text_models: vec![],
+            embedding_models: vec![],
+            ..NodeConfig::default()
+        };
+        let node = Arc::new(
+            tokio::task::spawn_blocking(move || Node::start(&node_cfg))
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let node_url = format!("http://{}", listener.local_addr().unwrap());
+        let serving = node.clone();
+        let api = tokio::spawn(async move {
+            let _ =
+                bulkhead_runtime::server::serve(serving, listener, std::future::pending()).await;
+        });
+        let beats = tokio::spawn(bulkhead_platform::nodes::run_heartbeats(
+            vec![srv.url("")],
+            credential.into(),
+            "node-1".into(),
+            node_url,
+            node.clone(),
+        ));
+        (
+            node,
+            RemoteNode {
+                tasks: vec![api, beats],
+            },
+        )
+    }
+
+    /// Gone, as a crashed process is: no API, no heartbeats.
+    fn stop(self) {
+        for t in self.tasks {
+            t.abort();
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_operator_adds_a_model_to_a_remote_node_and_removes_it() {
     let mut cfg = ServeConfig {
@@ -234,36 +289,12 @@ async fn an_operator_adds_a_model_to_a_remote_node_and_removes_it() {
     let srv = Server::start_with(cfg).await;
     let (acct, _, tok) = srv.tenant("acme").await;
 
-    // A node that starts with no model at all.
-    let node_cfg = NodeConfig {
-        text_models: vec![],
-        embedding_models: vec![],
-        ..NodeConfig::default()
-    };
-    let node = Arc::new(
-        tokio::task::spawn_blocking(move || Node::start(&node_cfg))
-            .await
-            .unwrap()
-            .unwrap(),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let node_url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(bulkhead_runtime::server::serve(
-        node.clone(),
-        listener,
-        std::future::pending(),
-    ));
     let (s, credential) = srv
         .admin_call(Method::POST, "/admin/v1/nodes/node-1/tokens", None)
         .await;
     assert_eq!(s, 200, "{credential}");
-    tokio::spawn(bulkhead_platform::nodes::run_heartbeats(
-        vec![srv.url("")],
-        credential["result"]["token"].as_str().unwrap().into(),
-        "node-1".into(),
-        node_url,
-        node.clone(),
-    ));
+    let credential = credential["result"]["token"].as_str().unwrap().to_string();
+    let (node, running) = RemoteNode::start(&srv, &credential).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while srv.state.inference.nodes.get("node-1").is_none() {
         assert!(std::time::Instant::now() < deadline, "the node registers");
@@ -291,6 +322,22 @@ async fn an_operator_adds_a_model_to_a_remote_node_and_removes_it() {
         "the node itself loaded it"
     );
     publish_and_ask(&srv, &acct, &tok, name).await;
+
+    // The node restarts, empty, at a new address: the control plane loads the model there
+    // again when it heartbeats without it, and routes to it.
+    running.stop();
+    drop(node);
+    let (node, _running) = RemoteNode::start(&srv, &credential).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while node.text_engine(name).is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the restarted node gets it back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (s, body) = complete(&srv, &acct, &tok, name, BERLIN).await;
+    assert_eq!(s, 200, "{body}");
 
     let (s, body) = srv
         .admin_call(Method::DELETE, &delete_path(name), None)

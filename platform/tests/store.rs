@@ -484,6 +484,33 @@ async fn models(db: Db) -> Db {
     ));
     // The name is free again.
     store.create_model(&a).await.unwrap();
+
+    // An operator-added model keeps its source until it is deleted; a second add of the
+    // name (after a node re-registered it) replaces the source, keeps the visibility.
+    let added = model("@cf/test/added");
+    store
+        .upsert_added_model(&added, "node-7", r#"{"name":"@cf/test/added","path":"/a"}"#)
+        .await
+        .unwrap();
+    store
+        .set_visibility("@cf/test/added", Visibility::Private, Some("staging"), None)
+        .await
+        .unwrap();
+    let again = store
+        .upsert_added_model(&added, "node-7", r#"{"name":"@cf/test/added","path":"/b"}"#)
+        .await
+        .unwrap();
+    assert_eq!(again.visibility, Visibility::Private);
+    assert_eq!(
+        store.model_sources_of("node-7").await.unwrap(),
+        [(
+            "@cf/test/added".to_string(),
+            r#"{"name":"@cf/test/added","path":"/b"}"#.to_string()
+        )]
+    );
+    assert!(store.model_sources_of("embedded").await.unwrap().is_empty());
+    store.delete_model("@cf/test/added").await.unwrap();
+    assert!(store.model_sources_of("node-7").await.unwrap().is_empty());
     db
 }
 

@@ -51,6 +51,8 @@ pub struct Inference {
     pub usage: Arc<UsageMeter>,
     /// Pool tokens a serving node needs per token of a model's context window.
     pub safety_factor: f64,
+    /// Operator-added models being loaded again on remote nodes that restarted.
+    pub restorations: placement::Restorations,
 }
 
 impl Inference {

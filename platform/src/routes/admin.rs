@@ -230,8 +230,8 @@ pub struct NewModel {
     properties: Option<serde_json::Value>,
     /// A text model's weights and the node that loads them now, without a restart. The
     /// entry is created only once the node serves it, private until published through the
-    /// gate. It lasts until that node restarts; a node's configuration (`[[text_models]]`,
-    /// with the same `path` or `package`) keeps it across restarts.
+    /// gate. The source is stored: the node serves it again after a restart, until the
+    /// model is deleted.
     source: Option<ModelSource>,
 }
 
@@ -396,9 +396,14 @@ pub async fn create_model(
     }
     let audited_source = source_for_audit(&source);
     let (node, cfg) = source.text_model_config(&record.name, window.map(|w| w as usize))?;
-    let served = s.inference.add_text_model(&node, cfg).await?;
+    let placed = Placed {
+        config_json: serde_json::to_string(&cfg).map_err(ApiError::internal)?,
+        served: s.inference.add_text_model(&node, cfg).await?,
+        node,
+        audited_source,
+    };
     // From here on a failure unloads the model again: no node serves what the catalog lacks.
-    let entered = enter_served_model(&s, &p, &mut record, &served, audited_source).await;
+    let entered = enter_served_model(&s, &p, &mut record, placed).await;
     match entered {
         Ok(created) => Ok(ok(model_view(&s, &created))),
         Err(e) => {
@@ -421,16 +426,25 @@ fn source_for_audit(source: &ModelSource) -> serde_json::Value {
     })
 }
 
+/// A text model a node loaded from an operator's source.
+struct Placed {
+    node: String,
+    /// The node's `[[text_models]]` entry, kept so the node serves it again after a restart.
+    config_json: String,
+    served: bulkhead_runtime::server::ModelState,
+    audited_source: serde_json::Value,
+}
+
 /// The catalog entry of a model a node now serves: its window as served, the file's facts
-/// where the operator gave none, `max_output_tokens` checked against that window; audited
-/// with its source.
+/// where the operator gave none, `max_output_tokens` checked against that window; stored
+/// with its source and audited.
 async fn enter_served_model(
     s: &SharedState,
     p: &Principal,
     record: &mut ModelRecord,
-    served: &bulkhead_runtime::server::ModelState,
-    source: serde_json::Value,
+    placed: Placed,
 ) -> Result<ModelRecord, ApiError> {
+    let served = &placed.served;
     record.context_window = served.context_window as i64;
     within_range(
         "max_output_tokens",
@@ -451,9 +465,12 @@ async fn enter_served_model(
         }
     }
     // Upsert: the node's heartbeat may have registered the name (private) meanwhile.
-    let created = s.store.upsert_model(record).await?;
+    let created = s
+        .store
+        .upsert_added_model(record, &placed.node, &placed.config_json)
+        .await?;
     let mut after = serde_json::to_value(&created).map_err(ApiError::internal)?;
-    after["source"] = source;
+    after["source"] = placed.audited_source;
     catalog_changed(s, p, "model.create", &created.name, None, Some(after)).await?;
     Ok(created)
 }
@@ -840,6 +857,7 @@ pub async fn node_heartbeat(
         }
     }
     let id = hb.id.clone();
+    let served = hb.state.models.clone();
     match s.inference.nodes.heartbeat(hb).await {
         PlacementChange::New { after } => {
             tracing::info!(node = %id, "node registered");
@@ -861,6 +879,8 @@ pub async fn node_heartbeat(
             .changed(&s.store, s.redis.as_ref())
             .await?;
     }
+    // A node that restarted without the models an operator added to it gets them again.
+    s.inference.restore_remote(&s.store, &id, &served).await?;
     Ok(ok(serde_json::json!({"id": id})))
 }
 

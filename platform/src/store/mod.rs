@@ -266,18 +266,23 @@ const POSTGRES_USAGE_JOURNALS: &str =
 const SQLITE_PREFIX_CACHE: &str = include_str!("../../../migrations/sqlite/0005_prefix_cache.sql");
 const POSTGRES_PREFIX_CACHE: &str =
     include_str!("../../../migrations/postgres/0005_prefix_cache.sql");
+const SQLITE_MODEL_SOURCES: &str =
+    include_str!("../../../migrations/sqlite/0006_model_sources.sql");
+const POSTGRES_MODEL_SOURCES: &str =
+    include_str!("../../../migrations/postgres/0006_model_sources.sql");
 
 /// The embedded migrations of one backend (what `sqlx::migrate!` would build; built by hand
 /// because the workspace does not enable sqlx's `macros` feature). Checksums are the same as
 /// the macro's, so switching to it later is seamless.
 fn migrator(backend: Backend) -> Migrator {
-    let (init, workers, node_tokens, usage_journals, prefix_cache) = match backend {
+    let (init, workers, node_tokens, usage_journals, prefix_cache, model_sources) = match backend {
         Backend::Sqlite => (
             SQLITE_INIT,
             SQLITE_WORKERS,
             SQLITE_NODE_TOKENS,
             SQLITE_USAGE_JOURNALS,
             SQLITE_PREFIX_CACHE,
+            SQLITE_MODEL_SOURCES,
         ),
         Backend::Postgres => (
             POSTGRES_INIT,
@@ -285,6 +290,7 @@ fn migrator(backend: Backend) -> Migrator {
             POSTGRES_NODE_TOKENS,
             POSTGRES_USAGE_JOURNALS,
             POSTGRES_PREFIX_CACHE,
+            POSTGRES_MODEL_SOURCES,
         ),
     };
     Migrator::with_migrations(vec![
@@ -321,6 +327,13 @@ fn migrator(backend: Backend) -> Migrator {
             Cow::Borrowed("prefix_cache"),
             MigrationType::Simple,
             prefix_cache.into_sql_str(),
+            false,
+        ),
+        Migration::new(
+            6,
+            Cow::Borrowed("model_sources"),
+            MigrationType::Simple,
+            model_sources.into_sql_str(),
             false,
         ),
     ])

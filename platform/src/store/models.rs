@@ -129,6 +129,29 @@ async fn update_descriptive(
     Ok(res.rows_affected() == 1)
 }
 
+/// Insert `m`, or refresh the descriptive fields of the row of its name; the row as stored.
+async fn upsert_in(
+    tx: &mut Transaction<'_, Any>,
+    m: &ModelRecord,
+) -> Result<ModelRecord, StoreError> {
+    let now = now_ms();
+    if insert_model(tx, m, now).await? {
+        bump_version(tx).await?;
+    } else {
+        lock_model(tx, &m.name).await?;
+        let existing = fetch_model(tx, &m.name)
+            .await?
+            .ok_or_else(|| missing(&m.name))?;
+        if descriptive_differs(&existing, m) {
+            update_descriptive(tx, m, now).await?;
+            bump_version(tx).await?;
+        }
+    }
+    fetch_model(tx, &m.name)
+        .await?
+        .ok_or_else(|| missing(&m.name))
+}
+
 /// Takes the write lock on a model row (a no-op update); false if there is no such row.
 async fn lock_model(tx: &mut Transaction<'_, Any>, name: &str) -> Result<bool, StoreError> {
     let res = sqlx::query("UPDATE models SET name = name WHERE name = $1")
@@ -167,25 +190,53 @@ impl Store {
     /// at boot; bumps the catalog version only when something actually changed.
     pub async fn upsert_model(&self, m: &ModelRecord) -> Result<ModelRecord, StoreError> {
         validate(m)?;
-        let now = now_ms();
         let mut tx = self.pool.begin().await?;
-        if insert_model(&mut tx, m, now).await? {
-            bump_version(&mut tx).await?;
-        } else {
-            lock_model(&mut tx, &m.name).await?;
-            let existing = fetch_model(&mut tx, &m.name)
-                .await?
-                .ok_or_else(|| missing(&m.name))?;
-            if descriptive_differs(&existing, m) {
-                update_descriptive(&mut tx, m, now).await?;
-                bump_version(&mut tx).await?;
-            }
-        }
-        let out = fetch_model(&mut tx, &m.name)
-            .await?
-            .ok_or_else(|| missing(&m.name))?;
+        let out = upsert_in(&mut tx, m).await?;
         tx.commit().await?;
         Ok(out)
+    }
+
+    /// A text model an operator added to a running node: upserted as [`Store::upsert_model`]
+    /// does (the node's heartbeat may have registered the name meanwhile), together with its
+    /// source (`config_json`, the node's `[[text_models]]` entry) in the same transaction,
+    /// so that node can serve it again after a restart.
+    pub async fn upsert_added_model(
+        &self,
+        m: &ModelRecord,
+        node: &str,
+        config_json: &str,
+    ) -> Result<ModelRecord, StoreError> {
+        validate(m)?;
+        let mut tx = self.pool.begin().await?;
+        let out = upsert_in(&mut tx, m).await?;
+        sqlx::query("DELETE FROM model_sources WHERE model = $1")
+            .bind(&m.name)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO model_sources (model, node, config_json, created_at)              VALUES ($1, $2, $3, $4)",
+        )
+        .bind(&m.name)
+        .bind(node)
+        .bind(config_json)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(out)
+    }
+
+    /// The sources of the models operators added to node `node`: (model, config JSON).
+    pub async fn model_sources_of(&self, node: &str) -> Result<Vec<(String, String)>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT model, config_json FROM model_sources WHERE node = $1 ORDER BY model",
+        )
+        .bind(node)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| Ok((get(r, "model")?, get(r, "config_json")?)))
+            .collect()
     }
 
     /// Admin update of the descriptive fields of an existing model (visibility has its own
@@ -289,8 +340,8 @@ impl Store {
         Ok((before, after))
     }
 
-    /// Removes model `name` from the catalog (its usage rows stay: they are history) and
-    /// bumps the catalog version; the removed row, or [`StoreError::NotFound`].
+    /// Removes model `name` from the catalog, with its source (its usage rows stay: they are
+    /// history), and bumps the catalog version; the removed row, or [`StoreError::NotFound`].
     pub async fn delete_model(&self, name: &str) -> Result<ModelRecord, StoreError> {
         let mut tx = self.pool.begin().await?;
         if !lock_model(&mut tx, name).await? {
@@ -300,6 +351,10 @@ impl Store {
             .await?
             .ok_or_else(|| missing(name))?;
         sqlx::query("DELETE FROM models WHERE name = $1")
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("DELETE FROM model_sources WHERE model = $1")
             .bind(name)
             .execute(&mut *tx)
             .await?;
