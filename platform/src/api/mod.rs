@@ -25,6 +25,13 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             "Request is missing headers or body",
         ));
     }
+    // serde also reads a struct from an array, field by field in order (`[""]` was a token
+    // named ""): every body is an object, so an array is refused before it can be.
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[') {
+        return Err(ApiError::bad_input(
+            "the body must be a JSON object, not an array",
+        ));
+    }
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
@@ -406,6 +413,14 @@ mod tests {
         assert_eq!(param_of("[]"), None);
         assert_eq!(param_of(r#"{} {}"#), None);
         assert_eq!(parse_json::<Body>(b"").unwrap_err().code, 3003);
+        // A struct's fields by position: refused, the body must be an object.
+        for array in [&b"[5]"[..], b" \n[5, null]", b"[]"] {
+            let e = parse_json::<Body>(array).unwrap_err();
+            assert_eq!((e.status.as_u16(), e.code), (400, 5006), "{e:?}");
+            assert!(e.message.contains("not an array"), "{e:?}");
+        }
+        let e = parse_json::<Option<Body>>(br#"[""]"#).unwrap_err();
+        assert_eq!(e.status.as_u16(), 400, "{e:?}");
         let ok: Body = parse_json(br#"{"max_tokens": 18446744073709551615}"#).unwrap();
         assert_eq!(ok.max_tokens, Some(u64::MAX));
     }
