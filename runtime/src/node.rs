@@ -236,10 +236,11 @@ impl TextModelSettings {
                 path.display()
             );
         }
-        let (decoder, gguf) = DecoderModel::load(&path, m.weights, &self.device)
+        // Window and pool from the metadata alone: a model whose pool would not fit is
+        // refused before its weights are read (seconds, and their memory).
+        let cfg = DecoderModel::read_config(&path)
             .with_context(|| format!("loading {}", path.display()))?;
-        let tokenizer = TextTokenizer::from_gguf(&gguf)?;
-        let native = decoder.cfg.context_window;
+        let native = cfg.context_window;
         let context_window = match m.context_window {
             Some(w) if w > native => bail!(
                 "{}: context_window {w} is larger than the model's own {native}",
@@ -249,7 +250,7 @@ impl TextModelSettings {
             Some(w) => w,
             None => native,
         };
-        let layout = decoder.cfg.kv_layout();
+        let layout = cfg.kv_layout();
         let page_size = self.page_size;
         let pool_tokens = match (self.pool_tokens, self.pool_memory_mb) {
             (Some(t), _) => t,
@@ -266,6 +267,9 @@ impl TextModelSettings {
         let pages = pool_tokens.div_ceil(page_size.max(1)).max(1);
         check_pool_fits(pages.saturating_mul(page_size), &served, self.safety_factor)
             .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
+        let (decoder, gguf) = DecoderModel::load(&path, m.weights, &self.device)
+            .with_context(|| format!("loading {}", path.display()))?;
+        let tokenizer = TextTokenizer::from_gguf(&gguf)?;
         let pool = Arc::new(KvPool::new(layout, page_size, pages));
         tracing::info!(
             model = %m.name,

@@ -26,12 +26,22 @@ fn load_error(path: &Path) -> String {
 
 /// The SmolLM2 file rewritten with `edit` applied to its metadata.
 fn rewritten(tag: &str, edit: impl FnOnce(&mut Vec<(String, Value)>)) -> PathBuf {
+    rewrite(tag, edit, |_| true)
+}
+
+/// The SmolLM2 file rewritten with `edit` applied to its metadata and only the tensors
+/// `keep` keeps.
+fn rewrite(
+    tag: &str,
+    edit: impl FnOnce(&mut Vec<(String, Value)>),
+    keep: impl Fn(&str) -> bool,
+) -> PathBuf {
     let src = common::smollm2_path();
     let mut f = std::fs::File::open(&src).unwrap();
     let ct = gguf_file::Content::read(&mut f).unwrap();
     let mut metadata: Vec<(String, Value)> = ct.metadata.clone().into_iter().collect();
     edit(&mut metadata);
-    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
+    let mut names: Vec<&String> = ct.tensor_infos.keys().filter(|n| keep(n)).collect();
     names.sort();
     let tensors: Vec<(String, _)> = names
         .iter()
@@ -105,4 +115,42 @@ fn a_rope_of_no_dimensions_is_refused_before_a_request_could_trip_on_it() {
     let err = load_error(&path);
     std::fs::remove_file(&path).ok();
     assert!(err.contains("rope dimension 0"), "{err}");
+}
+
+/// A node refuses a model whose pool would be too small from the file's metadata alone,
+/// before reading its weights: here the weights are broken too (a tensor is missing), and
+/// the refusal is the pool's; with room for the pool, the same file is refused for the
+/// missing tensor.
+#[test]
+fn a_pool_too_small_is_refused_before_the_weights_are_read() {
+    use bulkhead_runtime::node::{AddModelError, Node, NodeConfig, TextModelConfig};
+    let path = rewrite("no-ffn-up", |_| {}, |n| n != "blk.3.ffn_up.weight");
+    let add = |pool_tokens: usize| {
+        let node = Node::start(&NodeConfig {
+            pool_tokens: Some(pool_tokens),
+            text_models: vec![],
+            embedding_models: vec![],
+            ..NodeConfig::default()
+        })
+        .unwrap();
+        match node.add_text_model(&TextModelConfig {
+            name: "@cf/test/broken".into(),
+            path: Some(path.clone()),
+            package: None,
+            weights: Default::default(),
+            context_window: Some(512),
+            system_prompt: None,
+        }) {
+            Err(AddModelError::Refused(why)) => why,
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    };
+    let small = add(64);
+    let roomy = add(4096);
+    std::fs::remove_file(&path).ok();
+    assert!(
+        small.contains("refusing to start") && small.contains("1024"),
+        "{small}"
+    );
+    assert!(roomy.contains("blk.3.ffn_up"), "{roomy}");
 }

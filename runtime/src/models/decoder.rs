@@ -431,11 +431,17 @@ impl DecoderModel {
     /// Load a GGUF file of a known family. Returns the model and the parsed GGUF content (for
     /// the tokenizer).
     /// The weights are repacked for the CPU kernels (`crate::kernels`), whatever `_device`.
-    pub fn load(
+    /// The file's configuration from its metadata alone (no weights read): what a node
+    /// needs to size the model's pool and refuse it before loading it.
+    pub fn read_config(path: &Path) -> Result<DecoderConfig, RuntimeError> {
+        Ok(Self::open(path)?.2)
+    }
+
+    /// The file, its metadata and tensor directory (every tensor within the file), and the
+    /// configuration they give.
+    fn open(
         path: &Path,
-        format: WeightFormat,
-        _device: &Device,
-    ) -> Result<(Self, gguf_file::Content), RuntimeError> {
+    ) -> Result<(std::fs::File, gguf_file::Content, DecoderConfig), RuntimeError> {
         let mut file = std::fs::File::open(path).map_err(|e| {
             RuntimeError::Internal(format!("cannot open model {}: {e}", path.display()))
         })?;
@@ -444,6 +450,15 @@ impl DecoderModel {
         check_tensor_extents(&ct, &file, path)?;
         let cfg = DecoderConfig::from_gguf(&ct)?;
         cfg.validate()?;
+        Ok((file, ct, cfg))
+    }
+
+    pub fn load(
+        path: &Path,
+        format: WeightFormat,
+        _device: &Device,
+    ) -> Result<(Self, gguf_file::Content), RuntimeError> {
+        let (mut file, ct, cfg) = Self::open(path)?;
         let mut g = GgufTensors {
             ct: &ct,
             file: &mut file,
