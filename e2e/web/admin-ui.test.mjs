@@ -358,6 +358,35 @@ describe("admin UI in headless Chromium", () => {
     assert.match(r.body.result.response, /Paris/, r.body.result.response);
   });
 
+  it("loads a model from a GGUF file on the embedded node, then removes it from the node and the catalog", async () => {
+    const name = "@cf/bulkhead/smollm2-operator";
+    await nav("Catalog").click();
+    const form = page.locator("form").filter({ has: page.getByRole("button", { name: "Add model" }) });
+    await form.getByLabel("Name", { exact: true }).fill(name);
+    await form.getByLabel("Context window (tokens)").fill("256");
+    // A file the node cannot load: its refusal, naming the problem, is shown; nothing added.
+    await form.getByLabel("GGUF file on the node (optional)").fill("/nonexistent/model.gguf");
+    await form.getByRole("button", { name: "Add model" }).click();
+    await page.getByRole("alert").filter({ hasText: "source" }).waitFor();
+    assert.equal((await admin("GET", "/models")).body.result.some((m) => m.name === name), false);
+
+    await form.getByLabel("GGUF file on the node (optional)").fill(SMOLLM2_GGUF);
+    await form.getByRole("button", { name: "Add model" }).click();
+    await page.getByRole("status").filter({ hasText: `Created ${name}, served by embedded` }).waitFor();
+    const row = page.locator(`tr[data-model="${name}"]`);
+    await row.waitFor();
+    assert.match(await row.textContent(), /llama architecture/);
+    await shot("model-added-from-file");
+
+    await row.getByRole("button", { name: `Remove ${name}` }).click();
+    const dialog = page.getByRole("dialog", { name: `Remove ${name}` });
+    await dialog.getByRole("button", { name: "Remove" }).click();
+    await dialog.waitFor({ state: "hidden" });
+    await page.getByRole("status").filter({ hasText: `Removed ${name} from embedded and from the catalog` }).waitFor();
+    await row.waitFor({ state: "detached" });
+    assert.equal((await admin("GET", "/models")).body.result.some((m) => m.name === name), false);
+  });
+
   it("switches a model's prefix cache off and on; the tenant's repeat is then cold, then cached", async () => {
     // Long enough for a whole page of prompt (16 tokens), with or without a system prompt.
     const body = { prompt: "Name the capital of France, and in one short sentence the river that runs through it.", temperature: 0, max_tokens: 1 };

@@ -161,7 +161,15 @@ describe("visibility changes", () => {
 });
 
 describe("model form", () => {
-  const f = { name: "@cf/x/big", task: "text-generation", context_window: "1048576", max_output_tokens: "", description: " d " };
+  const f = {
+    name: "@cf/x/big",
+    task: "text-generation",
+    context_window: "1048576",
+    max_output_tokens: "",
+    description: " d ",
+    path: "",
+    node: "",
+  };
   it("builds the body", () => {
     expect(parseModelForm(f)).toEqual({
       body: { name: "@cf/x/big", task: "text-generation", context_window: 1048576, max_output_tokens: 0, description: "d" },
@@ -172,6 +180,23 @@ describe("model form", () => {
     expect(parseModelForm({ ...f, context_window: "0" })).toHaveProperty("error");
     expect(parseModelForm({ ...f, context_window: "1.5" })).toHaveProperty("error");
     expect(parseModelForm({ ...f, max_output_tokens: "-1" })).toHaveProperty("error");
+  });
+  it("loads a GGUF file on a node, the window then optional", () => {
+    expect(parseModelForm({ ...f, context_window: "", path: " /m/a.gguf " })).toEqual({
+      body: {
+        name: "@cf/x/big",
+        task: "text-generation",
+        max_output_tokens: 0,
+        description: "d",
+        source: { node: "embedded", path: "/m/a.gguf" },
+      },
+    });
+    expect(parseModelForm({ ...f, path: "/m/a.gguf", node: "gpu-1" })).toMatchObject({
+      body: { context_window: 1048576, source: { node: "gpu-1", path: "/m/a.gguf" } },
+    });
+    expect(parseModelForm({ ...f, path: "m/a.gguf" })).toHaveProperty("error");
+    expect(parseModelForm({ ...f, path: "/m/a.gguf", task: "text-embeddings" })).toHaveProperty("error");
+    expect(parseModelForm({ ...f, context_window: "" })).toHaveProperty("error");
   });
 });
 

@@ -209,6 +209,10 @@ export interface ModelForm {
   context_window: string;
   max_output_tokens: string;
   description: string;
+  /** A GGUF file on `node`'s machine, loaded there now; empty: a catalog entry only. */
+  path: string;
+  /** `embedded` or a remote node's id. */
+  node: string;
 }
 
 export function parseModelForm(
@@ -218,23 +222,31 @@ export function parseModelForm(
   if (!/^@[^/\s]+\/[^/\s]+\/\S+$/.test(name)) {
     return { error: "Model names look like @cf/author/name." };
   }
-  const window = Number(f.context_window);
-  if (!Number.isInteger(window) || window < 1) {
+  const path = f.path.trim();
+  // With a file, the node reports the model's own window unless a smaller one is asked for.
+  const window = path !== "" && f.context_window.trim() === "" ? undefined : Number(f.context_window);
+  if (window !== undefined && (!Number.isInteger(window) || window < 1)) {
     return { error: "The context window is a whole number of tokens, at least 1." };
+  }
+  if (path !== "" && f.task !== "text-generation") {
+    return { error: "Only text-generation models load from a GGUF file." };
+  }
+  if (path !== "" && !path.startsWith("/")) {
+    return { error: "The GGUF path is absolute, on the node's machine." };
   }
   const maxOut = f.max_output_tokens.trim() === "" ? 0 : Number(f.max_output_tokens);
   if (!Number.isInteger(maxOut) || maxOut < 0) {
     return { error: "Max output tokens is a whole number, 0 or more." };
   }
-  return {
-    body: {
-      name,
-      task: f.task,
-      context_window: window,
-      max_output_tokens: maxOut,
-      description: f.description.trim(),
-    },
+  const body: Record<string, unknown> = {
+    name,
+    task: f.task,
+    max_output_tokens: maxOut,
+    description: f.description.trim(),
   };
+  if (window !== undefined) body.context_window = window;
+  if (path !== "") body.source = { node: f.node.trim() || "embedded", path };
+  return { body };
 }
 
 // ---------------------------------------------------------------- usage

@@ -26,6 +26,7 @@ export function CatalogPage() {
   const models = useLoad(() => api<Model[]>("GET", "/models"), []);
   const tenants = useLoad(() => api<Tenant[]>("GET", "/tenants"), []);
   const [pending, setPending] = useState<Pending | null>(null);
+  const [removing, setRemoving] = useState<Model | null>(null);
   const [notice, setNotice] = useState<string | null>(null);
   const list = models.data ?? [];
   const tenantList = tenants.data ?? [];
@@ -75,6 +76,7 @@ export function CatalogPage() {
                     setPending({ model: m, target: m.visibility === "public" ? "private" : "public", allowOnly: false })
                   }
                   onEditAllow={() => setPending({ model: m, target: "private", allowOnly: true })}
+                  onRemove={() => setRemoving(m)}
                   onCacheToggled={(changed, error) => {
                     setNotice(error ?? `Prefix cache of ${changed.name} is now ${changed.prefix_cache ? "on" : "off"}.`);
                     void models.reload();
@@ -92,10 +94,29 @@ export function CatalogPage() {
       )}
       <NewModel
         onCreated={(m) => {
-          setNotice(`Created ${m.name}; it starts private.`);
+          setNotice(
+            m.nodes.length
+              ? `Created ${m.name}, served by ${m.nodes.map((n) => n.node).join(", ")}; it starts private.`
+              : `Created ${m.name}; it starts private.`,
+          );
           void models.reload();
         }}
       />
+      {removing && (
+        <RemoveDialog
+          model={removing}
+          onClose={() => setRemoving(null)}
+          onDone={(removedFrom) => {
+            setNotice(
+              removedFrom.length
+                ? `Removed ${removing.name} from ${removedFrom.join(", ")} and from the catalog.`
+                : `Removed ${removing.name} from the catalog.`,
+            );
+            setRemoving(null);
+            void models.reload();
+          }}
+        />
+      )}
       {pending && (
         <VisibilityDialog
           pending={pending}
@@ -121,6 +142,7 @@ function ModelRow(props: {
   tenants: Tenant[];
   onToggle: () => void;
   onEditAllow: () => void;
+  onRemove: () => void;
   onCacheToggled: (m: Model, error: string | null) => void;
 }) {
   const m = props.model;
@@ -147,6 +169,9 @@ function ModelRow(props: {
       <th scope="row">
         <code>{m.name}</code>
         {m.description && <div class="muted small">{m.description}</div>}
+        <button type="button" class="link-button small" onClick={props.onRemove} aria-label={`Remove ${m.name}`}>
+          remove
+        </button>
       </th>
       <td>{m.task}</td>
       <td class="num">{formatInt(m.context_window)}</td>
@@ -311,8 +336,54 @@ function VisibilityDialog(props: {
   );
 }
 
+/** Confirms and removes a model: off every node that serves it (each finishes what it
+ * admitted), then out of the catalog. */
+function RemoveDialog(props: { model: Model; onClose: () => void; onDone: (removedFrom: string[]) => void }) {
+  const [error, setError] = useState<string | null>(null);
+  const [busy, setBusy] = useState(false);
+  async function submit(e: Event) {
+    e.preventDefault();
+    setBusy(true);
+    setError(null);
+    try {
+      const r = await api<{ removed_from: string[] }>("DELETE", `/models/${modelPath(props.model.name)}`);
+      props.onDone(r.removed_from);
+    } catch (err) {
+      setError(err instanceof Error ? err.message : String(err));
+      setBusy(false);
+    }
+  }
+  return (
+    <Dialog title={`Remove ${props.model.name}`} onClose={props.onClose}>
+      <form onSubmit={submit} noValidate>
+        <p>
+          Every node that serves it stops taking requests for it, finishes what it admitted and frees its memory;
+          then it leaves the catalog, and tenants get HTTP 400 (no such model). Its usage history stays.
+        </p>
+        <ErrorBanner message={error} />
+        <div class="actions">
+          <button type="button" onClick={props.onClose}>
+            Cancel
+          </button>
+          <button type="submit" class="danger" disabled={busy}>
+            Remove
+          </button>
+        </div>
+      </form>
+    </Dialog>
+  );
+}
+
 function NewModel(props: { onCreated: (m: Model) => void }) {
-  const empty: ModelForm = { name: "", task: "text-generation", context_window: "", max_output_tokens: "", description: "" };
+  const empty: ModelForm = {
+    name: "",
+    task: "text-generation",
+    context_window: "",
+    max_output_tokens: "",
+    description: "",
+    path: "",
+    node: "embedded",
+  };
   const [form, setForm] = useState<ModelForm>(empty);
   const [error, setError] = useState<string | null>(null);
   const [busy, setBusy] = useState(false);
@@ -343,7 +414,10 @@ function NewModel(props: { onCreated: (m: Model) => void }) {
   return (
     <section class="card" aria-labelledby={`${id}-h`}>
       <h2 id={`${id}-h`}>Add a model</h2>
-      <p class="muted small">New models start private; nodes that serve them register by heartbeat.</p>
+      <p class="muted small">
+        New models start private. Give a GGUF file on a node's machine and that node loads it now (and again after a
+        restart); otherwise nodes that serve the model register it by heartbeat.
+      </p>
       <form onSubmit={submit} class="form-grid" noValidate>
         <div class="field">
           <label for={`${id}-name`}>Name</label>
@@ -358,7 +432,13 @@ function NewModel(props: { onCreated: (m: Model) => void }) {
         </div>
         <div class="field">
           <label for={`${id}-window`}>Context window (tokens)</label>
-          <input id={`${id}-window`} inputMode="numeric" value={form.context_window} onInput={set("context_window")} required />
+          <input
+            id={`${id}-window`}
+            inputMode="numeric"
+            value={form.context_window}
+            onInput={set("context_window")}
+            required={form.path.trim() === ""}
+          />
         </div>
         <div class="field">
           <label for={`${id}-max`}>Max output tokens</label>
@@ -367,6 +447,14 @@ function NewModel(props: { onCreated: (m: Model) => void }) {
         <div class="field field-wide">
           <label for={`${id}-desc`}>Description</label>
           <input id={`${id}-desc`} value={form.description} onInput={set("description")} />
+        </div>
+        <div class="field field-wide">
+          <label for={`${id}-path`}>GGUF file on the node (optional)</label>
+          <input id={`${id}-path`} value={form.path} onInput={set("path")} placeholder="/models/model.gguf" />
+        </div>
+        <div class="field">
+          <label for={`${id}-node`}>Node that loads it</label>
+          <input id={`${id}-node`} value={form.node} onInput={set("node")} />
         </div>
         <div class="actions field-wide">
           <button type="submit" class="primary" disabled={busy}>
