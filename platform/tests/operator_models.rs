@@ -111,6 +111,14 @@ async fn an_operator_adds_a_model_to_the_embedded_node_publishes_serves_and_remo
             "source.path",
         ),
         (
+            json!({"node": "n".repeat(129), "path": gemma_file}),
+            "source.node",
+        ),
+        (
+            json!({"node": "embedded", "path": gemma_file, "system_prompt": "x".repeat(4097)}),
+            "source.system_prompt",
+        ),
+        (
             json!({"node": "embedded", "package": {"package": "--index-url=http://127.0.0.1:9/",
                    "version": "1.0", "sha256": "0".repeat(64), "file": "m.gguf"}}),
             "source.package",

@@ -185,6 +185,12 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, RuntimeError>
         .map_err(|e| RuntimeError::BadInput(format!("invalid JSON body: {e}")))
 }
 
+/// Text model `name`'s state as `/v1/state` lists it, if `node` serves it.
+pub fn text_model_state_of(node: &Node, name: &str) -> Option<ModelState> {
+    node.text_engine(name)
+        .map(|e| text_model_state(name.to_string(), &e))
+}
+
 fn text_model_state(name: String, e: &crate::engine::Engine) -> ModelState {
     ModelState {
         name,
@@ -242,8 +248,8 @@ async fn add_model(
     // Loading takes seconds of CPU: off the async workers.
     let adding = node.clone();
     match tokio::task::spawn_blocking(move || adding.add_text_model(&config)).await {
-        Ok(Ok(served)) => match node.text_engine(&served.name) {
-            Some(engine) => Json(text_model_state(served.name, &engine)).into_response(),
+        Ok(Ok(served)) => match text_model_state_of(&node, &served.name) {
+            Some(state) => Json(state).into_response(),
             // Removed again between the add and this answer.
             None => error_response(
                 StatusCode::CONFLICT,

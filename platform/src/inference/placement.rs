@@ -108,10 +108,7 @@ impl Inference {
                 .await
                 .map_err(ApiError::internal)?;
             return match added {
-                Ok(_) => bulkhead_runtime::server::node_state(&self.node)
-                    .models
-                    .into_iter()
-                    .find(|m| m.name == name)
+                Ok(_) => bulkhead_runtime::server::text_model_state_of(&self.node, &name)
                     .ok_or_else(|| {
                         ApiError::conflict(format!("{name} was removed while it was being added"))
                     }),

@@ -278,6 +278,27 @@ impl ModelSource {
         name: &str,
         window: Option<usize>,
     ) -> Result<(String, TextModelConfig), ApiError> {
+        // The limits the OpenAPI document declares for these fields.
+        if !(1..=128).contains(&self.node.chars().count()) {
+            return Err(ApiError::bad_field("source.node", "1 to 128 characters"));
+        }
+        if self
+            .path
+            .as_ref()
+            .is_some_and(|p| !(1..=4096).contains(&p.chars().count()))
+        {
+            return Err(ApiError::bad_field("source.path", "1 to 4096 characters"));
+        }
+        if self
+            .system_prompt
+            .as_ref()
+            .is_some_and(|p| p.chars().count() > 4096)
+        {
+            return Err(ApiError::bad_field(
+                "source.system_prompt",
+                "at most 4096 characters",
+            ));
+        }
         if self.path.is_some() == self.package.is_some() {
             return Err(ApiError::bad_field(
                 "source",
@@ -880,7 +901,11 @@ pub async fn node_heartbeat(
             .await?;
     }
     // A node that restarted without the models an operator added to it gets them again.
-    s.inference.restore_remote(&s.store, &id, &served).await?;
+    // The heartbeat itself is recorded already: a database that cannot say which models
+    // those are fails the restoration (retried next beat), not the heartbeat.
+    if let Err(e) = s.inference.restore_remote(&s.store, &id, &served).await {
+        tracing::warn!(node = %id, "operator-added models not checked: {e}");
+    }
     Ok(ok(serde_json::json!({"id": id})))
 }
 
