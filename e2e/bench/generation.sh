@@ -13,8 +13,8 @@ fi
 models="${BULKHEAD_MODELS:-$HOME/.cache/bulkhead/models}"
 case "${1:-smollm2}" in
   smollm2) model="$models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"; formats="q8_0 native" ;;
-  # Gemma's K-quant matrices run as Q8_0 either way: one format.
-  gemma3) model="$models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf"; formats="native" ;;
+  # native: the Q4_K and Q6_K matrices on the K-quant kernels as stored; q8_0: re-quantized.
+  gemma3) model="$models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf"; formats="q8_0 native" ;;
   *) echo "usage: $0 [smollm2|gemma3]" >&2; exit 2 ;;
 esac
 export BENCH_MODEL="${1:-smollm2}"

@@ -4,17 +4,25 @@
 //! across rayon's pool, and inside a chunk tiles of several activation rows against a group
 //! of weight rows walk the chunk's weights once per tile, so batched decode and prefill
 //! reuse them from cache. Weights are kept in groups of 8 rows (`BlockQ4_1x8`,
-//! `BlockQ8_0x8`: one SIMD lane per weight row, no horizontal sums); a matrix whose row count
-//! is not a multiple of 8 keeps them row by row, in 4x4 tiles.
+//! `BlockQ8_0x8`, `BlockQ4Kx8`, `BlockQ6Kx8`: one SIMD lane per weight row, no horizontal
+//! sums); a Q4_1 or Q8_0 matrix whose row count is not a multiple of 8 keeps them row by row,
+//! in 4x4 tiles, a K-quant one gets zero rows to fill its last group. The activations are
+//! quantized to the blocks the weight format pairs with: Q8_1 (32 values) for Q4_1 and Q8_0,
+//! Q8_K (256) for the K-quants.
 
 use rayon::prelude::*;
 
 use super::blocks::{
-    BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_0x8, BlockQ8_1, QK, deinterleave8, dequantize_q4_1,
-    dequantize_q8_0, group_row, q4_1_from_gguf, q4_1_interleave8, q8_0_from_gguf, q8_0_interleave8,
-    quantize_row_q8_0, quantize_row_q8_1,
+    BlockQ4_1, BlockQ4_1x8, BlockQ8_0, BlockQ8_0x8, BlockQ8_1, QK, RowGroup, deinterleave8,
+    dequantize_q4_1, dequantize_q8_0, group_row, q4_1_from_gguf, q4_1_interleave8, q8_0_from_gguf,
+    q8_0_interleave8, quantize_row_q8_0, quantize_row_q8_1,
 };
 use super::dot;
+use super::kdot;
+use super::kquants::{
+    BlockQ4Kx8, BlockQ6Kx8, BlockQ8K, QK_K, dequantize_q4_k, dequantize_q6_k, q4_k_from_gguf,
+    q4_k_interleave8, q6_k_from_gguf, q6_k_interleave8, quantize_row_q8_k,
+};
 
 /// Rows and columns of one tile.
 const TR: usize = 4;
@@ -81,36 +89,116 @@ pub fn matmul_path() -> &'static str {
     }
 }
 
-/// A block type of 8 weight rows with a tile kernel.
-trait GroupBlock: Copy + Send + Sync + amx_path::MaybeAmx {
-    fn tile<const R: usize>(a: &[&[BlockQ8_1]; R], g: &[Self], out: &mut [[f32; 8]; R]);
+/// A block type of 8 weight rows with a tile kernel against activation blocks `Act`.
+trait GroupBlock: Copy + Send + Sync {
+    type Act: Sync;
+    fn tile<const R: usize>(a: &[&[Self::Act]; R], g: &[Self], out: &mut [[f32; 8]; R]);
+
+    /// Runs the leading multiple of 16 of the `t` activation rows on AMX tiles where the
+    /// format has them, this CPU has AMX and `amx` allows it; returns how many rows it ran.
+    fn matmul_amx(
+        _g: &[Self],
+        _n: usize,
+        _kb: usize,
+        _acts: &[Self::Act],
+        _t: usize,
+        _y: &mut [f32],
+        _amx: bool,
+    ) -> usize {
+        0
+    }
+}
+
+/// [`GroupBlock::matmul_amx`] for the formats with AMX kernels.
+#[allow(unused_variables)]
+fn amx_rows<G: GroupBlock<Act = BlockQ8_1> + amx_path::MaybeAmx>(
+    g: &[G],
+    n: usize,
+    kb: usize,
+    acts: &[BlockQ8_1],
+    t: usize,
+    y: &mut [f32],
+    amx: bool,
+) -> usize {
+    #[cfg(amx_kernels)]
+    if amx && t >= amx_path::ROWS && n.is_multiple_of(2 * 8) && amx_path::enabled() {
+        let done = t / amx_path::ROWS * amx_path::ROWS;
+        run_amx(g, n, kb, &acts[..done * kb], done, y);
+        return done;
+    }
+    0
 }
 
 impl GroupBlock for BlockQ4_1x8 {
+    type Act = BlockQ8_1;
     #[inline(always)]
     fn tile<const R: usize>(a: &[&[BlockQ8_1]; R], g: &[Self], out: &mut [[f32; 8]; R]) {
         dot::tile_q4_1x8(a, g, out)
     }
+    fn matmul_amx(
+        g: &[Self],
+        n: usize,
+        kb: usize,
+        acts: &[BlockQ8_1],
+        t: usize,
+        y: &mut [f32],
+        amx: bool,
+    ) -> usize {
+        amx_rows(g, n, kb, acts, t, y, amx)
+    }
 }
 
 impl GroupBlock for BlockQ8_0x8 {
+    type Act = BlockQ8_1;
     #[inline(always)]
     fn tile<const R: usize>(a: &[&[BlockQ8_1]; R], g: &[Self], out: &mut [[f32; 8]; R]) {
         dot::tile_q8_0x8(a, g, out)
     }
+    fn matmul_amx(
+        g: &[Self],
+        n: usize,
+        kb: usize,
+        acts: &[BlockQ8_1],
+        t: usize,
+        y: &mut [f32],
+        amx: bool,
+    ) -> usize {
+        amx_rows(g, n, kb, acts, t, y, amx)
+    }
+}
+
+impl GroupBlock for BlockQ4Kx8 {
+    type Act = BlockQ8K;
+    #[inline(always)]
+    fn tile<const R: usize>(a: &[&[BlockQ8K]; R], g: &[Self], out: &mut [[f32; 8]; R]) {
+        kdot::tile_q4_kx8(a, g, out)
+    }
+}
+
+impl GroupBlock for BlockQ6Kx8 {
+    type Act = BlockQ8K;
+    #[inline(always)]
+    fn tile<const R: usize>(a: &[&[BlockQ8K]; R], g: &[Self], out: &mut [[f32; 8]; R]) {
+        kdot::tile_q6_kx8(a, g, out)
+    }
 }
 
 /// The blocks of a matrix: in groups of 8 rows, one lane per row (see `BlockQ4_1x8`), or
-/// row by row when the row count is not a multiple of 8.
+/// row by row when a Q4_1 or Q8_0 matrix's row count is not a multiple of 8; or, for
+/// matrices of different formats stacked row-wise (`QWeight::concat`), the parts.
 #[derive(Debug, Clone, PartialEq)]
 enum Blocks {
     Q4_1(Vec<BlockQ4_1>),
     Q4_1x8(Vec<BlockQ4_1x8>),
     Q8_0(Vec<BlockQ8_0>),
     Q8_0x8(Vec<BlockQ8_0x8>),
+    /// `ceil(n / 8)` groups per block column, the last one padded with zero rows.
+    Q4Kx8(Vec<BlockQ4Kx8>),
+    Q6Kx8(Vec<BlockQ6Kx8>),
+    Stack(Vec<QWeight>),
 }
 
-/// A weight matrix `[n, k]` (k a multiple of 32), row-major blocks.
+/// A weight matrix `[n, k]` (k a multiple of the format's block size), row-major blocks.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QWeight {
     n: usize,
@@ -123,16 +211,51 @@ pub struct QWeight {
 pub enum QFormat {
     Q4_1,
     Q8_0,
+    Q4K,
+    Q6K,
+    /// Parts of different formats, stacked.
+    Mixed,
 }
 
 impl QWeight {
     fn check(n: usize, k: usize, blocks: usize) {
-        assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
+        Self::check_blocks(n, k, blocks, QK)
+    }
+
+    fn check_blocks(n: usize, k: usize, blocks: usize, size: usize) {
+        assert!(
+            k.is_multiple_of(size),
+            "k = {k} is not a multiple of {size}"
+        );
         assert_eq!(
             blocks,
-            n * k / QK,
+            n * k / size,
             "{blocks} blocks for a [{n}, {k}] matrix"
         );
+    }
+
+    /// From GGUF Q4_K bytes of an `[n, k]` tensor (k a multiple of 256), kept as stored.
+    pub fn from_gguf_q4_k(bytes: &[u8], n: usize, k: usize) -> Self {
+        let rows = q4_k_from_gguf(bytes);
+        Self::check_blocks(n, k, rows.len(), QK_K);
+        let blocks = Blocks::Q4Kx8(q4_k_interleave8(&rows, k / QK_K));
+        QWeight { n, k, blocks }
+    }
+
+    /// From GGUF Q6_K bytes of an `[n, k]` tensor (k a multiple of 256), kept as stored.
+    pub fn from_gguf_q6_k(bytes: &[u8], n: usize, k: usize) -> Self {
+        let rows = q6_k_from_gguf(bytes);
+        Self::check_blocks(n, k, rows.len(), QK_K);
+        let blocks = Blocks::Q6Kx8(q6_k_interleave8(&rows, k / QK_K));
+        QWeight { n, k, blocks }
+    }
+
+    /// Values per block of this matrix's format.
+    fn block_size(&self) -> usize {
+        match &self.blocks {
+            Blocks::Q4Kx8(_) | Blocks::Q6Kx8(_) => QK_K,
+            _ => QK,
+        }
     }
 
     /// From GGUF Q4_1 bytes of an `[n, k]` tensor.
@@ -165,7 +288,7 @@ impl QWeight {
         match &self.blocks {
             Blocks::Q4_1(b) => Some(b.clone()),
             Blocks::Q4_1x8(g) => Some(deinterleave8(g, self.k / QK)),
-            Blocks::Q8_0(_) | Blocks::Q8_0x8(_) => None,
+            _ => None,
         }
     }
 
@@ -174,8 +297,15 @@ impl QWeight {
         match &self.blocks {
             Blocks::Q8_0(b) => Some(b.clone()),
             Blocks::Q8_0x8(g) => Some(deinterleave8(g, self.k / QK)),
-            Blocks::Q4_1(_) | Blocks::Q4_1x8(_) => None,
+            _ => None,
         }
+    }
+
+    /// K-quant groups, rows in order, without the padding of a last group.
+    fn k_row_blocks<G: RowGroup + Clone>(g: &[G], n: usize, kb: usize) -> Vec<G::Row> {
+        let mut rows = deinterleave8(g, kb);
+        rows.truncate(n * kb);
+        rows
     }
 
     /// From GGUF Q8_0 bytes of an `[n, k]` tensor.
@@ -194,13 +324,29 @@ impl QWeight {
         Self::q8_0_rows(b, n, k)
     }
 
-    /// Stack matrices of the same `k` and format row-wise (e.g. Q, K and V projections), so
-    /// one call computes all of them.
+    /// Stack matrices of the same `k` row-wise (e.g. Q, K and V projections), so one call
+    /// computes all of them: one matrix where they share a format, the parts side by side
+    /// where they do not (a K-quant mix often gives V another format than Q and K).
     pub fn concat(parts: Vec<QWeight>) -> Self {
         let k = parts[0].k;
         let n = parts.iter().map(|p| p.n).sum();
         assert!(parts.iter().all(|p| p.k == k), "concat needs one k");
-        match parts[0].format() {
+        let format = parts[0].format();
+        if parts.iter().any(|p| p.format() != format) || format == QFormat::Mixed {
+            let parts = parts
+                .into_iter()
+                .flat_map(|p| match p.blocks {
+                    Blocks::Stack(inner) => inner,
+                    _ => vec![p],
+                })
+                .collect();
+            return QWeight {
+                n,
+                k,
+                blocks: Blocks::Stack(parts),
+            };
+        }
+        match format {
             QFormat::Q4_1 => {
                 let rows = parts
                     .iter()
@@ -215,6 +361,29 @@ impl QWeight {
                     .collect();
                 Self::q8_0_rows(rows, n, k)
             }
+            QFormat::Q4K => {
+                let mut rows = Vec::with_capacity(n * k / QK_K);
+                for p in &parts {
+                    let Blocks::Q4Kx8(g) = &p.blocks else {
+                        unreachable!("the format says Q4_K")
+                    };
+                    rows.extend(Self::k_row_blocks(g, p.n, k / QK_K));
+                }
+                let blocks = Blocks::Q4Kx8(q4_k_interleave8(&rows, k / QK_K));
+                QWeight { n, k, blocks }
+            }
+            QFormat::Q6K => {
+                let mut rows = Vec::with_capacity(n * k / QK_K);
+                for p in &parts {
+                    let Blocks::Q6Kx8(g) = &p.blocks else {
+                        unreachable!("the format says Q6_K")
+                    };
+                    rows.extend(Self::k_row_blocks(g, p.n, k / QK_K));
+                }
+                let blocks = Blocks::Q6Kx8(q6_k_interleave8(&rows, k / QK_K));
+                QWeight { n, k, blocks }
+            }
+            QFormat::Mixed => unreachable!("stacked above"),
         }
     }
 
@@ -228,12 +397,15 @@ impl QWeight {
         match self.blocks {
             Blocks::Q4_1(_) | Blocks::Q4_1x8(_) => QFormat::Q4_1,
             Blocks::Q8_0(_) | Blocks::Q8_0x8(_) => QFormat::Q8_0,
+            Blocks::Q4Kx8(_) => QFormat::Q4K,
+            Blocks::Q6Kx8(_) => QFormat::Q6K,
+            Blocks::Stack(_) => QFormat::Mixed,
         }
     }
 
     /// Row `r` as f32 (an embedding lookup on a tied embedding/output matrix).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        let kb = self.k / QK;
+        let kb = self.k / self.block_size();
         match &self.blocks {
             Blocks::Q4_1(b) => dequantize_q4_1(&b[r * kb..(r + 1) * kb], out),
             Blocks::Q4_1x8(g) => {
@@ -246,6 +418,26 @@ impl QWeight {
                 for (x, o) in group_row(g, kb, r).zip(out.chunks_exact_mut(QK)) {
                     dequantize_q8_0(&[x], o);
                 }
+            }
+            Blocks::Q4Kx8(g) => {
+                for (x, o) in group_row(g, kb, r).zip(out.chunks_exact_mut(QK_K)) {
+                    dequantize_q4_k(&[x], o);
+                }
+            }
+            Blocks::Q6Kx8(g) => {
+                for (x, o) in group_row(g, kb, r).zip(out.chunks_exact_mut(QK_K)) {
+                    dequantize_q6_k(&[x], o);
+                }
+            }
+            Blocks::Stack(parts) => {
+                let mut r = r;
+                for p in parts {
+                    if r < p.n {
+                        return p.dequantize_row(r, out);
+                    }
+                    r -= p.n;
+                }
+                panic!("row out of range");
             }
         }
     }
@@ -278,6 +470,12 @@ impl QWeight {
         if t == 0 {
             return;
         }
+        match &self.blocks {
+            Blocks::Q4Kx8(g) => return run_k(g, self.n, self.k, x, t, y),
+            Blocks::Q6Kx8(g) => return run_k(g, self.n, self.k, x, t, y),
+            Blocks::Stack(parts) => return self.matmul_stack(parts, x, t, y, amx, acts),
+            _ => {}
+        }
         let kb = self.k / QK;
         // Every block is written below before it is read.
         acts.resize(t * kb, BlockQ8_1::ZERO);
@@ -296,8 +494,54 @@ impl QWeight {
             Blocks::Q4_1x8(g) => run_x8(g, self.n, kb, acts, t, y, amx),
             Blocks::Q8_0(b) => run(b, self.n, kb, acts, t, y),
             Blocks::Q8_0x8(g) => run_x8(g, self.n, kb, acts, t, y, amx),
+            Blocks::Q4Kx8(_) | Blocks::Q6Kx8(_) | Blocks::Stack(_) => unreachable!("run above"),
         }
     }
+
+    /// Each part's matmul into its own buffer, its columns copied into `y`.
+    fn matmul_stack(
+        &self,
+        parts: &[QWeight],
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+        amx: bool,
+        acts: &mut Vec<BlockQ8_1>,
+    ) {
+        let mut col = 0;
+        let mut part_y = Vec::new();
+        for p in parts {
+            part_y.resize(t * p.n, 0.0);
+            p.matmul_on(x, t, &mut part_y, amx, acts);
+            for (row, src) in y.chunks_exact_mut(self.n).zip(part_y.chunks_exact(p.n)) {
+                row[col..col + p.n].copy_from_slice(src);
+            }
+            col += p.n;
+        }
+    }
+}
+
+/// A K-quant matmul: the activations quantized to Q8_K blocks, then the 8-row group tiles.
+fn run_k<G: GroupBlock<Act = BlockQ8K>>(
+    g: &[G],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    t: usize,
+    y: &mut [f32],
+) {
+    let kb = k / QK_K;
+    let mut acts = vec![BlockQ8K::ZERO; t * kb];
+    if t >= 8 {
+        acts.par_chunks_mut(kb)
+            .zip(x.par_chunks(k))
+            .for_each(|(a, x)| quantize_row_q8_k(x, a));
+    } else {
+        for (a, x) in acts.chunks_mut(kb).zip(x.chunks(k)) {
+            quantize_row_q8_k(x, a);
+        }
+    }
+    run_x8(g, n, kb, &acts, t, y, false);
 }
 
 /// An output buffer written by parallel tasks that own disjoint parts of it (here column
@@ -334,6 +578,28 @@ impl OutPtr {
     ) {
         for (i, row) in tile.iter().enumerate() {
             for (j, &v) in row.iter().enumerate() {
+                // SAFETY: guaranteed by the caller.
+                unsafe { self.write((r + i) * n + c + j, v) };
+            }
+        }
+    }
+
+    /// [`Self::write_tile`] of the tile's first `cols` columns only (a group padded with zero
+    /// rows past the matrix's last).
+    ///
+    /// # Safety
+    /// As for [`Self::write_tile`], for columns `c..c + cols`.
+    #[inline(always)]
+    unsafe fn write_tile_cols<const R: usize, const C: usize>(
+        self,
+        n: usize,
+        r: usize,
+        c: usize,
+        tile: &[[f32; C]; R],
+        cols: usize,
+    ) {
+        for (i, row) in tile.iter().enumerate() {
+            for (j, &v) in row.iter().enumerate().take(cols) {
                 // SAFETY: guaranteed by the caller.
                 unsafe { self.write((r + i) * n + c + j, v) };
             }
@@ -404,30 +670,24 @@ fn run<B: TileBlock>(w: &[B], n: usize, kb: usize, acts: &[BlockQ8_1], t: usize,
 /// values; with AVX2's 16 they would spill, so tiles stop at 4 rows.
 const WIDE_ROW_TILES: bool = cfg!(all(target_arch = "x86_64", target_feature = "avx512vl"));
 
-/// [`run`] for 8-row groups (`n % 8 == 0`): chunks of whole groups, tiles of 8, 4 or 1
-/// activation rows against one group (each weight block loaded once per tile). With `amx`
-/// (and a CPU that has it), whole slabs of 16 activation rows go to [`run_amx`] first.
+/// [`run`] for 8-row groups (`ceil(n / 8)` of them, the last one's padding rows not written):
+/// chunks of whole groups, tiles of 8, 4 or 1 activation rows against one group (each weight
+/// block loaded once per tile). With `amx` (and a format and CPU that have it), whole slabs of
+/// 16 activation rows go to the AMX tiles first.
 fn run_x8<G: GroupBlock>(
     g: &[G],
     n: usize,
     kb: usize,
-    acts: &[BlockQ8_1],
+    acts: &[G::Act],
     t: usize,
     y: &mut [f32],
     amx: bool,
 ) {
-    #[allow(unused_mut)]
-    let mut done = 0;
-    #[cfg(amx_kernels)]
-    if amx && t >= amx_path::ROWS && n.is_multiple_of(2 * 8) && amx_path::enabled() {
-        done = t / amx_path::ROWS * amx_path::ROWS;
-        run_amx(g, n, kb, &acts[..done * kb], done, y);
-        if done == t {
-            return;
-        }
+    let done = G::matmul_amx(g, n, kb, acts, t, y, amx);
+    if done == t {
+        return;
     }
-    let _ = amx;
-    let groups = n / 8;
+    let groups = n.div_ceil(8);
     let threads = rayon::current_num_threads().max(1);
     let tasks = (threads * 8).min(groups.div_ceil(2)).max(1);
     let chunk = groups.div_ceil(tasks);
@@ -437,7 +697,7 @@ fn run_x8<G: GroupBlock>(
         g: &[G],
         kb: usize,
         groups: std::ops::Range<usize>,
-        a: [&[BlockQ8_1]; R],
+        a: [&[G::Act]; R],
         n: usize,
         r: usize,
         out: OutPtr,
@@ -445,8 +705,8 @@ fn run_x8<G: GroupBlock>(
         for grp in groups {
             let mut o = [[0f32; 8]; R];
             G::tile(&a, &g[grp * kb..(grp + 1) * kb], &mut o);
-            // SAFETY: rows r..r+R < t, columns of group grp, one of this task's.
-            unsafe { out.write_tile(n, r, grp * 8, &o) };
+            // SAFETY: rows r..r+R < t, columns of group grp below n, one of this task's.
+            unsafe { out.write_tile_cols(n, r, grp * 8, &o, (n - grp * 8).min(8)) };
         }
     }
     let body = |task: usize| {
@@ -495,7 +755,7 @@ fn run_x8<G: GroupBlock>(
 /// own tile configuration; a pair's weights are walked once per slab, from cache after the
 /// first.
 #[cfg(amx_kernels)]
-fn run_amx<G: GroupBlock>(
+fn run_amx<G: GroupBlock<Act = BlockQ8_1> + amx_path::MaybeAmx>(
     g: &[G],
     n: usize,
     kb: usize,
@@ -885,6 +1145,249 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// GGUF K-quant bytes of an `[n, k]` matrix with random values and small scales.
+    fn k_quant_bytes(q4: bool, n: usize, k: usize, seed: u64) -> Vec<u8> {
+        use crate::kernels::kquants::{GGUF_Q4_K_BYTES, GGUF_Q6_K_BYTES};
+        let blocks = n * k / QK_K;
+        let mut rng = Lcg(seed);
+        let mut out = Vec::new();
+        for _ in 0..blocks {
+            let size = if q4 { GGUF_Q4_K_BYTES } else { GGUF_Q6_K_BYTES };
+            let mut b: Vec<u8> = (0..size).map(|_| rng.next() as u8).collect();
+            let scales: &[usize] = if q4 { &[0, 2] } else { &[208] };
+            for &at in scales {
+                let v = half::f16::from_f32(rng.f32() * 2e-3 + 1e-5);
+                b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            }
+            out.extend(b);
+        }
+        out
+    }
+
+    fn k_quant(q4: bool, n: usize, k: usize, seed: u64) -> QWeight {
+        let bytes = k_quant_bytes(q4, n, k, seed);
+        if q4 {
+            QWeight::from_gguf_q4_k(&bytes, n, k)
+        } else {
+            QWeight::from_gguf_q6_k(&bytes, n, k)
+        }
+    }
+
+    /// The error bound of quantizing the activations to Q8_K: each value is off by at most
+    /// half a step (`amax / 128 / 2`), times the weight's magnitude, summed over k; plus float
+    /// rounding.
+    fn k_bound(w: &QWeight, x: &[f32], t: usize) -> Vec<f32> {
+        let wf = w.dequantize();
+        let k = w.cols();
+        let mut b = vec![0f32; t * w.rows()];
+        for r in 0..t {
+            for blk in 0..k / QK_K {
+                let xs = &x[r * k + blk * QK_K..r * k + (blk + 1) * QK_K];
+                let half_step = xs.iter().fold(0f32, |a, v| a.max(v.abs())) / 128.0 * 0.51;
+                for c in 0..w.rows() {
+                    let ws: f32 = wf[c * k + blk * QK_K..c * k + (blk + 1) * QK_K]
+                        .iter()
+                        .map(|v| v.abs())
+                        .sum();
+                    b[r * w.rows() + c] += half_step * ws;
+                }
+            }
+        }
+        b.iter().map(|v| v * 1.01 + 1e-4).collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// Q4_K and Q6_K matmuls (row counts that fill their last group or not) match the f32
+        /// product of the stored values within the activations' quantization error.
+        #[test]
+        fn k_quant_matmuls_match_f32_reference(
+            t in 1usize..11,
+            n in 1usize..20,
+            kb in 1usize..4,
+            q4 in any::<bool>(),
+            seed in any::<u64>(),
+        ) {
+            let k = kb * QK_K;
+            let w = k_quant(q4, n, k, seed);
+            let mut rng = Lcg(seed ^ 0x5555);
+            let x: Vec<f32> = (0..t * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
+            let mut y = vec![f32::NAN; t * n];
+            w.matmul(&x, t, &mut y);
+            let want = reference(&w, &x, t);
+            let tol = k_bound(&w, &x, t);
+            for i in 0..y.len() {
+                prop_assert!(
+                    (y[i] - want[i]).abs() <= tol[i],
+                    "element {}: {} vs {} (bound {})", i, y[i], want[i], tol[i]
+                );
+            }
+        }
+    }
+
+    /// The K-quant group tiles on this build's path (AVX2 or AVX-512 VNNI) give the scalar
+    /// reference's bits, for tiles of 1, 4 and 8 activation rows, with activations at the
+    /// extremes (-128 and 127) and every weight value; and a whole matmul gives the same bits
+    /// as the reference row by row.
+    #[test]
+    fn k_quant_tiles_are_bit_identical_to_the_scalar_reference() {
+        use crate::kernels::kdot;
+        use crate::kernels::kquants::{BlockQ8K, quantize_row_q8_k};
+        let (n, kb) = (16, 3);
+        let k = kb * QK_K;
+        let mut rng = Lcg(77);
+        let x: Vec<f32> = (0..8 * k)
+            .map(|i| match i % 97 {
+                0 => 3.0,
+                1 => -3.0,
+                _ => rng.f32() * 2.0 - 1.0,
+            })
+            .collect();
+        let mut acts = vec![BlockQ8K::ZERO; 8 * kb];
+        for (a, x) in acts.chunks_mut(kb).zip(x.chunks(k)) {
+            quantize_row_q8_k(x, a);
+        }
+        assert!(acts.iter().any(|b| b.qs.contains(&-128)));
+        assert!(acts.iter().any(|b| b.qs.contains(&127)));
+        fn check<const R: usize>(acts: &[BlockQ8K], q4: &QWeight, q6: &QWeight, kb: usize) {
+            let a: [&[BlockQ8K]; R] = std::array::from_fn(|i| &acts[i * kb..(i + 1) * kb]);
+            for grp in 0..2 {
+                let (mut fast, mut slow) = ([[0f32; 8]; R], [[0f32; 8]; R]);
+                let Blocks::Q4Kx8(g) = &q4.blocks else {
+                    panic!("not Q4_K groups")
+                };
+                let g = &g[grp * kb..(grp + 1) * kb];
+                kdot::tile_q4_kx8(&a, g, &mut fast);
+                kdot::tile_q4_kx8_scalar(&a, g, &mut slow);
+                assert_eq!(fast, slow, "Q4_K, {R} rows, group {grp}");
+                let Blocks::Q6Kx8(g) = &q6.blocks else {
+                    panic!("not Q6_K groups")
+                };
+                let g = &g[grp * kb..(grp + 1) * kb];
+                kdot::tile_q6_kx8(&a, g, &mut fast);
+                kdot::tile_q6_kx8_scalar(&a, g, &mut slow);
+                assert_eq!(fast, slow, "Q6_K, {R} rows, group {grp}");
+            }
+        }
+        let q4 = k_quant(true, n, k, 1);
+        let q6 = k_quant(false, n, k, 2);
+        check::<1>(&acts, &q4, &q6, kb);
+        check::<4>(&acts, &q4, &q6, kb);
+        check::<8>(&acts, &q4, &q6, kb);
+        for w in [&q4, &q6] {
+            let mut y = vec![0f32; 8 * n];
+            w.matmul(&x, 8, &mut y);
+            for c in 0..n {
+                for r in 0..8 {
+                    let a = &acts[r * kb..(r + 1) * kb];
+                    let want = match &w.blocks {
+                        Blocks::Q4Kx8(g) => {
+                            kdot::dot_q4_k(a, &group_row(g, kb, c).collect::<Vec<_>>())
+                        }
+                        Blocks::Q6Kx8(g) => {
+                            kdot::dot_q6_k(a, &group_row(g, kb, c).collect::<Vec<_>>())
+                        }
+                        _ => unreachable!(),
+                    };
+                    assert_eq!(
+                        y[r * n + c].to_bits(),
+                        want.to_bits(),
+                        "row {r}, column {c}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The reference dot products agree with candle's (ggml's port) on the same blocks,
+    /// within float rounding (another order of the float steps).
+    #[test]
+    fn k_quant_reference_agrees_with_candle() {
+        use crate::kernels::kdot;
+        use crate::kernels::kquants::{
+            BlockQ8K, q4_k_from_gguf, q6_k_from_gguf, quantize_row_q8_k,
+        };
+        use candle_core::quantized::k_quants::{self, GgmlType};
+        let kb = 4;
+        let k = kb * QK_K;
+        let mut rng = Lcg(3);
+        let x: Vec<f32> = (0..k).map(|_| rng.f32() * 2.0 - 1.0).collect();
+        let mut ours = vec![BlockQ8K::ZERO; kb];
+        quantize_row_q8_k(&x, &mut ours);
+        // Candle's Q8_K blocks (`d`, `qs`, `bsums`, `repr(C)`) with our quantized values, so
+        // only the dot products differ.
+        let theirs: Vec<k_quants::BlockQ8K> = ours
+            .iter()
+            .map(|o| {
+                let mut b = o.d.to_le_bytes().to_vec();
+                b.extend(o.qs.map(|q| q as u8));
+                b.extend(o.bsums.iter().flat_map(|s| s.to_le_bytes()));
+                candle_block(&b)
+            })
+            .collect();
+        let bytes = k_quant_bytes(true, 1, k, 9);
+        let blocks: Vec<k_quants::BlockQ4K> = bytes
+            .chunks_exact(std::mem::size_of::<k_quants::BlockQ4K>())
+            .map(candle_block)
+            .collect();
+        let want = k_quants::BlockQ4K::vec_dot(k, &blocks, &theirs);
+        let got = kdot::dot_q4_k(&ours, &q4_k_from_gguf(&bytes));
+        assert!(
+            (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+            "Q4_K: {got} vs {want}"
+        );
+        let bytes = k_quant_bytes(false, 1, k, 10);
+        let blocks: Vec<k_quants::BlockQ6K> = bytes
+            .chunks_exact(std::mem::size_of::<k_quants::BlockQ6K>())
+            .map(candle_block)
+            .collect();
+        let want = k_quants::BlockQ6K::vec_dot(k, &blocks, &theirs);
+        let got = kdot::dot_q6_k(&ours, &q6_k_from_gguf(&bytes));
+        assert!(
+            (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+            "Q6_K: {got} vs {want}"
+        );
+    }
+
+    /// A candle block from its bytes (candle's block structs are `repr(C)` in GGUF's layout,
+    /// their fields private; every bit pattern is a value).
+    fn candle_block<T>(bytes: &[u8]) -> T {
+        assert_eq!(bytes.len(), std::mem::size_of::<T>());
+        // SAFETY: `bytes` is exactly one `T`; the read is unaligned; candle's K-quant blocks
+        // are plain integers, f16s and f32s, for which every bit pattern is a value.
+        unsafe { (bytes.as_ptr() as *const T).read_unaligned() }
+    }
+
+    /// Matrices of different formats stack side by side and give each part's results.
+    #[test]
+    fn concat_of_different_formats_runs_each_part() {
+        let q4 = k_quant(true, 5, QK_K, 4);
+        let q8 = QWeight::quantize_q8_0(&vec![127.0; 3 * QK_K], 3, QK_K);
+        let c = QWeight::concat(vec![q4.clone(), q8.clone()]);
+        assert_eq!((c.format(), c.rows(), c.cols()), (QFormat::Mixed, 8, QK_K));
+        let x: Vec<f32> = (0..2 * QK_K).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect();
+        let (mut y, mut y4, mut y8) = (vec![0f32; 16], vec![0f32; 10], vec![0f32; 6]);
+        c.matmul(&x, 2, &mut y);
+        q4.matmul(&x, 2, &mut y4);
+        q8.matmul(&x, 2, &mut y8);
+        for r in 0..2 {
+            assert_eq!(&y[r * 8..r * 8 + 5], &y4[r * 5..r * 5 + 5]);
+            assert_eq!(&y[r * 8 + 5..r * 8 + 8], &y8[r * 3..r * 3 + 3]);
+        }
+        let mut row = vec![0f32; QK_K];
+        c.dequantize_row(6, &mut row);
+        assert_eq!(row, vec![127.0; QK_K]);
+        // Same-format K-quant parts merge into one matrix of groups.
+        let merged = QWeight::concat(vec![q4.clone(), k_quant(true, 6, QK_K, 5)]);
+        assert_eq!((merged.format(), merged.rows()), (QFormat::Q4K, 11));
+        let mut a = vec![0f32; QK_K];
+        merged.dequantize_row(4, &mut a);
+        let mut b = vec![0f32; QK_K];
+        q4.dequantize_row(4, &mut b);
+        assert_eq!(a, b);
     }
 
     #[test]

@@ -5,6 +5,10 @@
 //!   repacking from GGUF bytes, quantizing and dequantizing;
 //! - `amx`: Intel AMX tiles for matmuls of 16 activation rows or more, where the CPU has them;
 //! - `dot`: tile dot products, AVX2 (`_mm256_maddubs_epi16`, as ggml) with a scalar fallback;
+//! - `kquants`: GGUF's K-quant formats (Q4_K, Q6_K) kept as stored, in 8-row groups, and
+//!   their Q8_K activation blocks;
+//! - `kdot`: their tile dot products (ggml's block math), AVX2 or AVX-512 VNNI, tested bit
+//!   for bit against the scalar reference beside them;
 //! - `matmul`: `QWeight` and the parallel `y = x W^T` over rayon's pool.
 //! - `ops`: RMSNorm, rope, SiLU, residual adds on f32 rows;
 //! - `attention`: one query token's causal attention over KV page slices;
@@ -21,6 +25,8 @@ pub mod attention;
 pub mod blocks;
 pub mod dot;
 pub mod encoder;
+pub mod kdot;
+pub mod kquants;
 pub mod matmul;
 pub mod ops;
 

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 use crate::error::RuntimeError;
 use crate::kernels::attention::{self, Heads, PageKv};
-use crate::kernels::{QWeight, blocks, ops};
+use crate::kernels::{QWeight, blocks, kquants, ops};
 use crate::kv::{KvLayout, KvPool, SeqKv};
 
 /// How the weights are held in memory.
@@ -318,16 +318,27 @@ fn qweight(t: &QTensor, format: WeightFormat) -> Result<QWeight, RuntimeError> {
             .to_vec1::<f32>()?;
         Ok(QWeight::quantize_q8_0(&f, n, k))
     };
+    let k_quant = matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q6K);
+    if k_quant && !k.is_multiple_of(kquants::QK_K) {
+        return Err(RuntimeError::Internal(format!(
+            "a {:?} matrix of rows of {k} values: rows must be whole blocks of {}",
+            t.dtype(),
+            kquants::QK_K
+        )));
+    }
     match (t.dtype(), format) {
         (GgmlDType::Q8_0, _) => Ok(QWeight::from_gguf_q8_0(&t.data()?, n, k)),
         (GgmlDType::Q4_1, WeightFormat::Native) => Ok(QWeight::from_gguf_q4_1(&t.data()?, n, k)),
+        (GgmlDType::Q4K, WeightFormat::Native) => Ok(QWeight::from_gguf_q4_k(&t.data()?, n, k)),
+        (GgmlDType::Q6K, WeightFormat::Native) => Ok(QWeight::from_gguf_q6_k(&t.data()?, n, k)),
         // Q5_0's values are Q8_0 values: converted exactly.
         (GgmlDType::Q5_0, _) => Ok(QWeight::from_gguf_q8_0(
             &blocks::q5_0_gguf_to_q8_0_gguf(&t.data()?),
             n,
             k,
         )),
-        // Everything else (K-quants among them) the kernels run re-quantized to Q8_0.
+        // Everything else (other K-quants and i-quants among them, and every format when
+        // Q8_0 is asked for) the kernels run re-quantized to Q8_0.
         _ => as_q8_0(t),
     }
 }
