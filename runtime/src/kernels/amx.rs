@@ -69,12 +69,12 @@ fn supported() -> bool {
 
 /// `ldtilecfg`'s 64-byte operand (palette 1).
 #[repr(C, align(64))]
-struct TileConfig {
-    palette: u8,
-    start_row: u8,
-    _reserved: [u8; 14],
-    colsb: [u16; 16],
-    rows: [u8; 16],
+pub(super) struct TileConfig {
+    pub(super) palette: u8,
+    pub(super) start_row: u8,
+    pub(super) _reserved: [u8; 14],
+    pub(super) colsb: [u16; 16],
+    pub(super) rows: [u8; 16],
 }
 
 const CONFIG: TileConfig = {
@@ -108,12 +108,21 @@ pub struct Tiles(std::marker::PhantomData<*const ()>);
 impl Tiles {
     /// Configures the tiles. `None` when the AMX path is off.
     pub fn new() -> Option<Tiles> {
+        Self::with_config(&CONFIG)
+    }
+
+    /// Configures the tiles as `config` says (another module's kernels). `None` when the AMX
+    /// path is off.
+    pub(super) fn with_config(config: &TileConfig) -> Option<Tiles> {
         if !enabled() {
             return None;
         }
+        assert_eq!(config.palette, 1, "palette 1 is the one AMX defines");
         // SAFETY: `enabled` checked the CPU has AMX and the process may use its state;
-        // CONFIG is a valid palette-1 configuration, 64 readable bytes.
-        unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly)) };
+        // `config` is a palette-1 configuration (asserted; tile shapes the CPU refuses fault
+        // at `ldtilecfg`, which the constant configurations here never are), 64 readable
+        // bytes.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) config, options(nostack, readonly)) };
         Some(Tiles(std::marker::PhantomData))
     }
 }
@@ -137,6 +146,24 @@ impl WeightTile {
 /// The i32 sums of one tile product, 64-byte aligned.
 #[repr(C, align(64))]
 pub struct Sums([i32; ROWS * ROWS]);
+
+impl Sums {
+    pub const ZERO: Sums = Sums([0; ROWS * ROWS]);
+
+    /// Where a tile store writes the 16 rows of 64 bytes.
+    pub(super) fn as_mut_ptr(&mut self) -> *mut i32 {
+        self.0.as_mut_ptr()
+    }
+
+    /// Row `r`'s 16 sums.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn row(&self, r: usize) -> __m512i {
+        assert!(r < ROWS);
+        // SAFETY: row r is 16 i32 at a 64-byte aligned offset of the 64-byte aligned sums.
+        unsafe { _mm512_load_si512(self.0.as_ptr().add(ROWS * r) as *const __m512i) }
+    }
+}
 
 /// A pair of 8-row weight groups that AMX can multiply: how to lay one block position out
 /// as a weight tile, and the float epilogue of its integer sums.
@@ -166,7 +193,7 @@ pub trait AmxPair: Copy {
 /// Two 32-byte halves as one 64-byte vector.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn join(lo: &[u8; 32], hi: &[u8; 32]) -> __m512i {
+pub(super) fn join(lo: &[u8; 32], hi: &[u8; 32]) -> __m512i {
     // SAFETY: each reference is 32 readable bytes; the loads are unaligned.
     unsafe {
         _mm512_inserti64x4(

@@ -65,11 +65,17 @@ impl TileBlock for BlockQ8_0 {
 mod amx_path {
     pub use super::super::amx::AmxPair as MaybeAmx;
     pub use super::super::amx::*;
+    pub use super::super::amx_k::AmxKPair as MaybeAmxK;
+    pub mod k {
+        pub use super::super::super::amx_k::*;
+    }
 }
 #[cfg(not(amx_kernels))]
 mod amx_path {
     pub trait MaybeAmx {}
     impl<T> MaybeAmx for T {}
+    pub trait MaybeAmxK {}
+    impl<T> MaybeAmxK for T {}
     pub fn enabled() -> bool {
         false
     }
@@ -173,6 +179,17 @@ impl GroupBlock for BlockQ4Kx8 {
     fn tile<const R: usize>(a: &[&[BlockQ8K]; R], g: &[Self], out: &mut [[f32; 8]; R]) {
         kdot::tile_q4_kx8(a, g, out)
     }
+    fn matmul_amx(
+        g: &[Self],
+        n: usize,
+        kb: usize,
+        acts: &[BlockQ8K],
+        t: usize,
+        y: &mut [f32],
+        amx: bool,
+    ) -> usize {
+        amx_k_rows(g, n, kb, acts, t, y, amx)
+    }
 }
 
 impl GroupBlock for BlockQ6Kx8 {
@@ -181,6 +198,37 @@ impl GroupBlock for BlockQ6Kx8 {
     fn tile<const R: usize>(a: &[&[BlockQ8K]; R], g: &[Self], out: &mut [[f32; 8]; R]) {
         kdot::tile_q6_kx8(a, g, out)
     }
+    fn matmul_amx(
+        g: &[Self],
+        n: usize,
+        kb: usize,
+        acts: &[BlockQ8K],
+        t: usize,
+        y: &mut [f32],
+        amx: bool,
+    ) -> usize {
+        amx_k_rows(g, n, kb, acts, t, y, amx)
+    }
+}
+
+/// [`GroupBlock::matmul_amx`] for the K-quant formats.
+#[allow(unused_variables)]
+fn amx_k_rows<G: GroupBlock<Act = BlockQ8K> + amx_path::MaybeAmxK>(
+    g: &[G],
+    n: usize,
+    kb: usize,
+    acts: &[BlockQ8K],
+    t: usize,
+    y: &mut [f32],
+    amx: bool,
+) -> usize {
+    #[cfg(amx_kernels)]
+    if amx && t >= amx_path::ROWS && n.is_multiple_of(2 * 8) && amx_path::enabled() {
+        let done = t / amx_path::ROWS * amx_path::ROWS;
+        run_amx_k(g, n, kb, &acts[..done * kb], done, y);
+        return done;
+    }
+    0
 }
 
 /// The blocks of a matrix: in groups of 8 rows, one lane per row (see `BlockQ4_1x8`), or
@@ -471,8 +519,8 @@ impl QWeight {
             return;
         }
         match &self.blocks {
-            Blocks::Q4Kx8(g) => return run_k(g, self.n, self.k, x, t, y),
-            Blocks::Q6Kx8(g) => return run_k(g, self.n, self.k, x, t, y),
+            Blocks::Q4Kx8(g) => return run_k(g, self.n, self.k, x, t, y, amx),
+            Blocks::Q6Kx8(g) => return run_k(g, self.n, self.k, x, t, y, amx),
             Blocks::Stack(parts) => return self.matmul_stack(parts, x, t, y, amx, acts),
             _ => {}
         }
@@ -529,6 +577,7 @@ fn run_k<G: GroupBlock<Act = BlockQ8K>>(
     x: &[f32],
     t: usize,
     y: &mut [f32],
+    amx: bool,
 ) {
     let kb = k / QK_K;
     let mut acts = vec![BlockQ8K::ZERO; t * kb];
@@ -541,7 +590,7 @@ fn run_k<G: GroupBlock<Act = BlockQ8K>>(
             quantize_row_q8_k(x, a);
         }
     }
-    run_x8(g, n, kb, &acts, t, y, false);
+    run_x8(g, n, kb, &acts, t, y, amx);
 }
 
 /// An output buffer written by parallel tasks that own disjoint parts of it (here column
@@ -741,6 +790,46 @@ fn run_x8<G: GroupBlock>(
                 _ => tiles::<G, 1>(g, kb, range.clone(), [arow(r)], n, r, out),
             }
             r += rows;
+        }
+    };
+    if tasks == 1 {
+        body(0);
+    } else {
+        (0..tasks).into_par_iter().for_each(body);
+    }
+}
+
+/// [`run_amx`] for the K-quant formats: each task lays out a pair's weight tiles once, then
+/// runs every slab of 16 activation rows against them.
+#[cfg(amx_kernels)]
+fn run_amx_k<G: GroupBlock<Act = BlockQ8K> + amx_path::MaybeAmxK>(
+    g: &[G],
+    n: usize,
+    kb: usize,
+    acts: &[BlockQ8K],
+    t: usize,
+    y: &mut [f32],
+) {
+    use amx_path::ROWS;
+    let pairs = n / (2 * 8);
+    let threads = rayon::current_num_threads().max(1);
+    let tasks = (threads * 4).min(pairs).max(1);
+    let chunk = pairs.div_ceil(tasks);
+    let tasks = pairs.div_ceil(chunk);
+    let out = OutPtr(y.as_mut_ptr());
+    let body = |task: usize| {
+        let tiles = amx_path::k::tiles::<G>().expect("the caller checked that AMX is enabled");
+        let mut w = Vec::new();
+        for p in task * chunk..((task + 1) * chunk).min(pairs) {
+            let g0 = &g[2 * p * kb..(2 * p + 1) * kb];
+            let g1 = &g[(2 * p + 1) * kb..(2 * p + 2) * kb];
+            amx_path::k::weight_tiles(g0, g1, kb, &mut w);
+            for (s, a) in acts.chunks_exact(ROWS * kb).take(t / ROWS).enumerate() {
+                let mut o = [[0f32; ROWS]; ROWS];
+                amx_path::k::slab(&tiles, a, kb, (g0, g1, &w), &mut o);
+                // SAFETY: rows of slab s (< t) and pair p's 16 columns, this task's own.
+                unsafe { out.write_tile(n, s * ROWS, p * ROWS, &o) };
+            }
         }
     };
     if tasks == 1 {
@@ -1388,6 +1477,36 @@ mod tests {
         let mut b = vec![0f32; QK_K];
         q4.dequantize_row(4, &mut b);
         assert_eq!(a, b);
+    }
+
+    /// Where the CPU has AMX: K-quant matmuls of 16 activation rows or more on its tiles give
+    /// the same bits as the AVX tiles, with leftover rows on the AVX tiles, one block per row
+    /// or several, one pair of groups per task or several. Elsewhere the test says so.
+    #[test]
+    fn amx_k_quant_tiles_are_bit_identical_to_avx_tiles() {
+        if !amx_path::enabled() {
+            eprintln!("no AMX on this CPU (or BULKHEAD_CPU_AMX=off): AVX tiles only");
+            return;
+        }
+        let mut rng = Lcg(43);
+        for (t, n, kb) in [(16, 16, 1), (37, 48, 2), (64, 640, 4), (32, 160, 8)] {
+            let k = kb * QK_K;
+            let x: Vec<f32> = (0..t * k).map(|_| rng.f32() * 4.0 - 2.0).collect();
+            for q4 in [true, false] {
+                let w = k_quant(q4, n, k, rng.next() as u64);
+                let (mut avx, mut amx) = (vec![f32::NAN; t * n], vec![f32::NAN; t * n]);
+                w.matmul_on(&x, t, &mut avx, false, &mut Vec::new());
+                w.matmul_on(&x, t, &mut amx, true, &mut Vec::new());
+                for (i, (a, b)) in avx.iter().zip(&amx).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{:?} t={t} n={n} kb={kb}: element {i}: {a} vs {b}",
+                        w.format()
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! - `blocks`: the block formats (Q4_1 and Q8_0 weights with f32 scales, Q8_1 activations),
 //!   repacking from GGUF bytes, quantizing and dequantizing;
 //! - `amx`: Intel AMX tiles for matmuls of 16 activation rows or more, where the CPU has them;
+//!   `amx_k` the same for the K-quant formats, a sub-block per tile product;
 //! - `dot`: tile dot products, AVX2 (`_mm256_maddubs_epi16`, as ggml) with a scalar fallback;
 //! - `kquants`: GGUF's K-quant formats (Q4_K, Q6_K) kept as stored, in 8-row groups, and
 //!   their Q8_K activation blocks;
@@ -21,6 +22,8 @@
 // build.rs); whether the CPU has AMX is asked at run time (`amx::enabled`).
 #[cfg(amx_kernels)]
 pub mod amx;
+#[cfg(amx_kernels)]
+pub mod amx_k;
 pub mod attention;
 pub mod blocks;
 pub mod dot;
