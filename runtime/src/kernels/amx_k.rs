@@ -83,7 +83,7 @@ pub trait AmxKPair: Copy {
     /// else the format adds (Q4_K's mins).
     ///
     /// # Safety
-    /// AVX-512F, DQ, F16C and FMA are available.
+    /// AVX-512F, BW, DQ, F16C and FMA are available.
     unsafe fn finish(g0: &Self, g1: &Self, a: &BlockQ8K, isum: __m512i, acc: &mut __m512);
 }
 
@@ -146,13 +146,23 @@ impl AmxKPair for BlockQ4Kx8 {
     }
 
     #[inline]
-    #[target_feature(enable = "avx512f,avx512dq,f16c,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,f16c,fma")]
     unsafe fn finish(g0: &Self, g1: &Self, a: &BlockQ8K, isum: __m512i, acc: &mut __m512) {
         let mut msum = _mm512_setzero_si512();
-        for s in 0..8 {
-            let m = bytes16(&g0.m[s], &g1.m[s], false);
-            let bs = _mm512_set1_epi32(a.bsums32[s] as i32);
-            msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(m, bs));
+        for i in 0..4 {
+            // Rows' min pairs of sub-blocks 2i and 2i + 1 (see `BlockQ4Kx8`) against the
+            // activation's two sums.
+            // SAFETY: each `m[i]` is 16 readable bytes; the loads are unaligned.
+            let m = unsafe {
+                _mm256_set_m128i(
+                    _mm_loadu_si128(g1.m[i].as_ptr().cast()),
+                    _mm_loadu_si128(g0.m[i].as_ptr().cast()),
+                )
+            };
+            let pair =
+                (a.bsums32[2 * i] as u16 as u32) | ((a.bsums32[2 * i + 1] as u16 as u32) << 16);
+            let p = _mm512_madd_epi16(_mm512_cvtepu8_epi16(m), _mm512_set1_epi32(pair as i32));
+            msum = _mm512_add_epi32(msum, p);
         }
         let ad = _mm512_set1_ps(a.d);
         // The AVX tile's steps: fma(d_w d_a, isum, acc), then fma(-(dmin_w d_a), msum, acc).

@@ -137,6 +137,15 @@ mod avx2 {
         _mm256_set1_epi32(v)
     }
 
+    /// The activation's sums of sub-blocks `2i` and `2i + 1` as an i16 pair, broadcast (the
+    /// other operand of a `madd` against pairs of mins).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn sum_pair(a: &BlockQ8K, i: usize) -> __m256i {
+        let pair = (a.bsums32[2 * i] as u16 as u32) | ((a.bsums32[2 * i + 1] as u16 as u32) << 16);
+        _mm256_set1_epi32(pair as i32)
+    }
+
     /// 8 bytes widened to 8 i32 lanes, unsigned.
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -187,23 +196,29 @@ mod avx2 {
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, x) in g.iter().enumerate() {
             let mut isum = [_mm256_setzero_si256(); R];
-            for s in 0..8 {
-                let (chunk, high) = (s / 2, s % 2 == 1);
-                let mut dot = [_mm256_setzero_si256(); R];
+            for chunk in 0..4 {
+                // Sub-blocks 2 chunk (low nibbles) and 2 chunk + 1 (high nibbles) of the same
+                // 8 vectors, each loaded once.
+                let mut dot_lo = [_mm256_setzero_si256(); R];
+                let mut dot_hi = [_mm256_setzero_si256(); R];
                 for u in 0..8 {
                     let q = load(&x.qs[8 * chunk + u]);
-                    let w = if high {
-                        _mm256_and_si256(_mm256_srli_epi16(q, 4), low)
-                    } else {
-                        _mm256_and_si256(q, low)
-                    };
+                    let lo = _mm256_and_si256(q, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
                     for r in 0..R {
-                        dot[r] = dot4_acc(dot[r], w, act4(&a[r][b], 32 * s + 4 * u));
+                        let at = 64 * chunk + 4 * u;
+                        dot_lo[r] = dot4_acc(dot_lo[r], lo, act4(&a[r][b], at));
+                        dot_hi[r] = dot4_acc(dot_hi[r], hi, act4(&a[r][b], at + 32));
                     }
                 }
-                let sc = u8x8_to_i32(&x.sc[s]);
+                let sc_lo = u8x8_to_i32(&x.sc[2 * chunk]);
+                let sc_hi = u8x8_to_i32(&x.sc[2 * chunk + 1]);
                 for r in 0..R {
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(dot[r], sc));
+                    let t = _mm256_add_epi32(
+                        _mm256_mullo_epi32(dot_lo[r], sc_lo),
+                        _mm256_mullo_epi32(dot_hi[r], sc_hi),
+                    );
+                    isum[r] = _mm256_add_epi32(isum[r], t);
                 }
             }
             let wd = f16x8(&x.d);
@@ -211,9 +226,10 @@ mod avx2 {
             for r in 0..R {
                 let ab = &a[r][b];
                 let mut msum = _mm256_setzero_si256();
-                for s in 0..8 {
-                    let bs = _mm256_set1_epi32(ab.bsums32[s] as i32);
-                    msum = _mm256_add_epi32(msum, _mm256_mullo_epi32(u8x8_to_i32(&x.m[s]), bs));
+                for (i, m) in x.m.iter().enumerate() {
+                    // SAFETY: `m` is 16 readable bytes; the load is unaligned.
+                    let m = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(m.as_ptr().cast()) });
+                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, sum_pair(ab, i)));
                 }
                 let ad = _mm256_set1_ps(ab.d);
                 let d = _mm256_mul_ps(wd, ad);

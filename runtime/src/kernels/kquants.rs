@@ -49,30 +49,99 @@ impl BlockQ8K {
 /// `quantize_row_q8_K_ref`: the scale maps the first value of largest magnitude to -128
 /// (`iscale = -128 / max`, so `d` has the opposite sign of that value), every value is
 /// `iscale * x` rounded to nearest, ties to even (ggml's `nearest_int`), capped at 127.
+/// Every activation row of a K-quant matmul goes through here, so it has a SIMD path
+/// (bit-identical for finite inputs).
 pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
     debug_assert_eq!(x.len(), out.len() * QK_K);
     for (b, x) in out.iter_mut().zip(x.chunks_exact(QK_K)) {
-        let (mut amax, mut max) = (0f32, 0f32);
-        for &v in x {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = v;
-            }
+        let x: &[f32; QK_K] = x.try_into().expect("a block is 256 values");
+        #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+        // SAFETY: this build targets CPUs with AVX2 (the cfg above).
+        unsafe {
+            avx2::quantize_block_q8_k(x, b)
+        };
+        #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+        quantize_block_q8_k_scalar(x, b);
+    }
+}
+
+/// One block of [`quantize_row_q8_k`], value by value: the reference of the SIMD path.
+#[cfg_attr(all(target_arch = "x86_64", target_feature = "avx2"), allow(dead_code))]
+fn quantize_block_q8_k_scalar(x: &[f32; QK_K], b: &mut BlockQ8K) {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
         }
-        if amax == 0.0 {
+    }
+    if amax == 0.0 {
+        *b = BlockQ8K::ZERO;
+        return;
+    }
+    let iscale = -128.0 / max;
+    for (q, &v) in b.qs.iter_mut().zip(x) {
+        *q = (iscale * v).round_ties_even().min(127.0) as i8;
+    }
+    block_sums(b);
+    b.d = 1.0 / iscale;
+}
+
+/// The block's sums of 16 and of 32 values, from its `qs`.
+fn block_sums(b: &mut BlockQ8K) {
+    for (s, q) in b.bsums.iter_mut().zip(b.qs.chunks_exact(16)) {
+        *s = q.iter().map(|&v| v as i16).sum();
+    }
+    for (i, s) in b.bsums32.iter_mut().enumerate() {
+        *s = b.bsums[2 * i] + b.bsums[2 * i + 1];
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{BlockQ8K, QK_K, block_sums};
+
+    /// [`super::quantize_block_q8_k_scalar`] 8 values at a time: the same largest magnitude
+    /// (its first value found by a scan), the same products, rounded by `cvtps` (to nearest,
+    /// ties to even, the default rounding mode), capped at 127 and packed to bytes.
+    #[target_feature(enable = "avx2")]
+    pub fn quantize_block_q8_k(x: &[f32; QK_K], b: &mut BlockQ8K) {
+        let sign = _mm256_set1_ps(-0.0);
+        let mut m = _mm256_setzero_ps();
+        for c in x.chunks_exact(8) {
+            // SAFETY: `c` is 8 readable f32; the load is unaligned.
+            let v = unsafe { _mm256_loadu_ps(c.as_ptr()) };
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let Some(&max) = x.iter().find(|v| v.abs() == amax).filter(|_| amax > 0.0) else {
             *b = BlockQ8K::ZERO;
-            continue;
-        }
+            return;
+        };
         let iscale = -128.0 / max;
-        for (q, &v) in b.qs.iter_mut().zip(x) {
-            *q = (iscale * v).round_ties_even().min(127.0) as i8;
+        let is = _mm256_set1_ps(iscale);
+        let cap = _mm256_set1_epi32(127);
+        for (c, out) in x.chunks_exact(32).zip(b.qs.chunks_exact_mut(32)) {
+            let q: [__m256i; 4] = std::array::from_fn(|i| {
+                // SAFETY: `c` is 32 readable f32; 8i + 8 <= 32; the load is unaligned.
+                let v = unsafe { _mm256_loadu_ps(c.as_ptr().add(8 * i)) };
+                _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v, is)), cap)
+            });
+            // Saturating packs (nothing saturates: values lie in -128..=127) leave the
+            // 4-byte groups interleaved by lane; one permute orders them.
+            let p = _mm256_packs_epi16(
+                _mm256_packs_epi32(q[0], q[1]),
+                _mm256_packs_epi32(q[2], q[3]),
+            );
+            let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            // SAFETY: `out` is 32 writable bytes; the store is unaligned.
+            unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, p) };
         }
-        for (s, q) in b.bsums.iter_mut().zip(b.qs.chunks_exact(16)) {
-            *s = q.iter().map(|&v| v as i16).sum();
-        }
-        for (i, s) in b.bsums32.iter_mut().enumerate() {
-            *s = b.bsums[2 * i] + b.bsums[2 * i + 1];
-        }
+        block_sums(b);
         b.d = 1.0 / iscale;
     }
 }
@@ -207,14 +276,16 @@ pub fn dequantize_q6_k(blocks: &[BlockQ6K], out: &mut [f32]) {
 /// Eight Q4_K blocks at the same position of 8 consecutive weight rows, one 32-bit lane per
 /// row: `qs[v]` holds bytes `4v..4v + 4` of each row's `qs`, row after row (so its low
 /// nibbles are values `64 (v / 8) + 4 (v % 8) + i` of the 8 rows and its high nibbles the
-/// same 32 later); `sc[s]` and `m[s]` the 8 rows' scale and min of sub-block `s`; `d` and
-/// `dmin` the rows' f16 scales as stored (exact when widened).
+/// same 32 later); `sc[s]` the 8 rows' scales of sub-block `s`; `m[i]` the mins of
+/// sub-blocks `2i` and `2i + 1` in pairs, row after row (`m[i][2c + j]` is row `c`'s min of
+/// sub-block `2i + j`: widened to i16, one `madd` against two activation sums gives each
+/// row's two terms); `d` and `dmin` the rows' f16 scales as stored (exact when widened).
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[repr(C, align(32))]
 pub struct BlockQ4Kx8 {
     pub qs: [[u8; 32]; 32],
     pub sc: [[u8; 8]; 8],
-    pub m: [[u8; 8]; 8],
+    pub m: [[u8; 16]; 4],
     pub d: [u16; 8],
     pub dmin: [u16; 8],
 }
@@ -297,7 +368,7 @@ pub fn q4_k_interleave8(rows: &[BlockQ4K], kb: usize) -> Vec<BlockQ4Kx8> {
     interleave8_padded(rows, kb, ZERO_Q4_K, |blk| BlockQ4Kx8 {
         qs: lanes::<32>(blk.map(|b| &b.qs[..])),
         sc: std::array::from_fn(|s| blk.map(|b| b.sc[s])),
-        m: std::array::from_fn(|s| blk.map(|b| b.m[s])),
+        m: std::array::from_fn(|i| std::array::from_fn(|j| blk[j / 2].m[2 * i + j % 2])),
         d: blk.map(|b| f16_bits(b.d)),
         dmin: blk.map(|b| f16_bits(b.dmin)),
     })
@@ -321,7 +392,7 @@ impl super::blocks::RowGroup for BlockQ4Kx8 {
             d: from_f16_bits(self.d[c]),
             dmin: from_f16_bits(self.dmin[c]),
             sc: self.sc.map(|s| s[c]),
-            m: self.m.map(|s| s[c]),
+            m: std::array::from_fn(|s| self.m[s / 2][2 * c + s % 2]),
             qs: unlanes(&self.qs, c),
         }
     }
@@ -413,6 +484,61 @@ mod tests {
         for b in 0..kb {
             assert_eq!(groups[kb + b].row(2), rows[10 * kb + b]);
             assert_eq!(groups[kb + b].row(3), ZERO_Q4_K);
+        }
+    }
+
+    /// This build's quantizer (SIMD where the CPU has it) gives the scalar one's blocks bit
+    /// for bit: random scales, halfway values (ties to even), the largest magnitude first
+    /// positive or negative, all zeros.
+    #[test]
+    fn q8_k_quantizer_matches_the_scalar_one() {
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let mut blocks: Vec<Vec<f32>> = (0..500)
+            .map(|i| {
+                let scale = [1e-6, 0.01, 1.0, 37.0, 1e4][i % 5];
+                (0..QK_K).map(|_| (next() * 2.0 - 1.0) * scale).collect()
+            })
+            .collect();
+        // max 128 makes the scale -1: k + 0.5 lands exactly halfway.
+        blocks.push(
+            (0..QK_K)
+                .map(|j| {
+                    if j == 3 {
+                        128.0
+                    } else {
+                        (j % 100) as f32 - 49.5
+                    }
+                })
+                .collect(),
+        );
+        blocks.push(
+            (0..QK_K)
+                .map(|j| {
+                    if j == 0 {
+                        -128.0
+                    } else {
+                        127.5 - j as f32 / 2.0
+                    }
+                })
+                .collect(),
+        );
+        blocks.push(vec![0.0; QK_K]);
+        blocks.push(
+            (0..QK_K)
+                .map(|j| if j % 2 == 0 { -0.0 } else { 0.0 })
+                .collect(),
+        );
+        for x in &blocks {
+            let (mut fast, mut slow) = ([BlockQ8K::ZERO], BlockQ8K::ZERO);
+            quantize_row_q8_k(x, &mut fast);
+            quantize_block_q8_k_scalar(x.as_slice().try_into().unwrap(), &mut slow);
+            assert_eq!(fast[0], slow, "{x:?}");
         }
     }
 
