@@ -73,9 +73,14 @@ GEMMA3 = "@cf/google/gemma-3-270m"
 # The two model families the platform serves: llama (SmolLM2) and Gemma 3.
 TEXT_MODELS = [SMOLLM2, GEMMA3]
 # A conversation both answer with "Berlin": the Gemma model is the pretrained base model,
-# which follows a one-shot example but not a bare question.
+# which follows examples but not a bare question. Two examples, not one: after one, Gemma's
+# "Berlin." and "Germany." are within 0.3 logits of each other (candle's f32 reference over
+# the stored weights prefers "Germany."), so the answer hung on rounding; after two,
+# "Berlin." leads by 1.1 (reference) and 0.5 (Bulkhead).
 FEW_SHOT = [{"role": "user", "content": "What is the capital of France?"},
             {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "What is the capital of Italy?"},
+            {"role": "assistant", "content": "Rome."},
             {"role": "user", "content": "What is the capital of Germany?"}]
 
 
