@@ -245,6 +245,29 @@ mod avx2 {
         }
     }
 
+    /// Values `v0..v0 + 4` (`v0` a multiple of 4) of the group's 8 rows as bytes (0..64), one
+    /// row per lane (see `kquants::q6_k_value` for the layout): the low 4 bits from a nibble
+    /// of `ql`, the high 2 moved from bits `2k..2k + 2` of `qh` to bits 4..6 by one shift
+    /// (bits shifted in from the neighbouring byte of a 16-bit lane are masked off).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn q6_values(x: &BlockQ6Kx8, v0: usize) -> __m256i {
+        let (h, k, l) = (v0 / 128, (v0 % 128) / 32, v0 % 32);
+        let ql = load(&x.ql[(64 * h + 32 * (k % 2) + l) / 4]);
+        let qh = load(&x.qh[(32 * h + l) / 4]);
+        let lo = if k < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
+        let hi = match k {
+            0 => _mm256_slli_epi16(qh, 4),
+            1 => _mm256_slli_epi16(qh, 2),
+            2 => qh,
+            _ => _mm256_srli_epi16(qh, 2),
+        };
+        _mm256_or_si256(
+            _mm256_and_si256(lo, _mm256_set1_epi8(0x0F)),
+            _mm256_and_si256(hi, _mm256_set1_epi8(0x30)),
+        )
+    }
+
     /// Q6_K tile of one 8-row group: per sub-block of 16 values, 4 vectors of 6-bit values
     /// put together from `ql` (low 4 bits) and `qh` (high 2) times 4 activation bytes
     /// broadcast, summed per lane, less 32 times the activation's sub-block sum, times the
@@ -259,24 +282,14 @@ mod avx2 {
         let nb = a[0].len();
         let a: [&[BlockQ8K]; R] = std::array::from_fn(|r| &a[r][..nb]);
         let g = &g[..nb];
-        let (low4, low2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, x) in g.iter().enumerate() {
             let mut isum = [_mm256_setzero_si256(); R];
             for s in 0..16 {
                 let mut dot = [_mm256_setzero_si256(); R];
                 for u in 0..4 {
-                    // Values v0..v0 + 4 (see `kquants::q6_k_value` for the layout).
                     let v0 = 16 * s + 4 * u;
-                    let (h, k, l) = (v0 / 128, (v0 % 128) / 32, v0 % 32);
-                    let ql = load(&x.ql[(64 * h + 32 * (k % 2) + l) / 4]);
-                    let qh = load(&x.qh[(32 * h + l) / 4]);
-                    let lo = if k < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
-                    let hi = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32));
-                    let w = _mm256_or_si256(
-                        _mm256_and_si256(lo, low4),
-                        _mm256_slli_epi16(_mm256_and_si256(hi, low2), 4),
-                    );
+                    let w = q6_values(x, v0);
                     for r in 0..R {
                         dot[r] = dot4_acc(dot[r], w, act4(&a[r][b], v0));
                     }

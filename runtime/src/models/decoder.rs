@@ -318,6 +318,8 @@ fn qweight(t: &QTensor, format: WeightFormat) -> Result<QWeight, RuntimeError> {
             .to_vec1::<f32>()?;
         Ok(QWeight::quantize_q8_0(&f, n, k))
     };
+    // candle's reader already refuses such a tensor; checked again here because the kernels'
+    // row layout depends on it.
     let k_quant = matches!(t.dtype(), GgmlDType::Q4K | GgmlDType::Q6K);
     if k_quant && !k.is_multiple_of(kquants::QK_K) {
         return Err(RuntimeError::Internal(format!(
@@ -426,7 +428,7 @@ impl GgufTensors<'_> {
                 "{name} is {dims:?}, expected [{rows}, {cols}]"
             )));
         }
-        qweight(&t, format)
+        qweight(&t, format).map_err(|e| RuntimeError::Internal(format!("{name}: {e}")))
     }
 }
 
