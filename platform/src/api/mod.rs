@@ -6,6 +6,7 @@
 //! call [`workers_ai::prepare`]; below it: inference.
 
 pub mod openai;
+mod strict_json;
 pub mod workers_ai;
 
 use bulkhead_runtime::chat::{ChatMessage, ToolCall};
@@ -32,14 +33,18 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             "the body must be a JSON object, not an array",
         ));
     }
-    let mut de = serde_json::Deserializer::from_slice(bytes);
-    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+    let at_fault = |e: serde_path_to_error::Error<serde_json::Error>| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         field_error(&path, &inner)
-    })?;
+    };
+    // The JSON first (no key twice), then the request from it, structs only from objects
+    // (see `strict_json`).
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let strict_json::UniqueKeys(value) =
+        serde_path_to_error::deserialize(&mut de).map_err(at_fault)?;
     de.end().map_err(ApiError::bad_input)?;
-    Ok(value)
+    serde_path_to_error::deserialize(strict_json::Strict(&value)).map_err(at_fault)
 }
 
 /// A deserialisation error as the 400 that names its field: the path where it happened, or
@@ -421,6 +426,20 @@ mod tests {
         }
         let e = parse_json::<Option<Body>>(br#"[""]"#).unwrap_err();
         assert_eq!(e.status.as_u16(), 400, "{e:?}");
+        // Nor at any depth: a message of its fields in order is not a message.
+        assert_eq!(
+            param_of(r#"{"messages": [["user", "hi"]]}"#).as_deref(),
+            Some("messages[0]")
+        );
+        // A key twice is refused, not resolved to its last value.
+        let e = parse_json::<Body>(br#"{"max_tokens": 1, "max_tokens": 2}"#).unwrap_err();
+        assert_eq!((e.status.as_u16(), e.code), (400, 5006), "{e:?}");
+        assert!(e.message.contains("duplicate field `max_tokens`"), "{e:?}");
+        let e = parse_json::<Body>(
+            br#"{"messages": [{"role": "user", "role": "user", "content": ""}]}"#,
+        )
+        .unwrap_err();
+        assert!(e.message.contains("duplicate field `role`"), "{e:?}");
         let ok: Body = parse_json(br#"{"max_tokens": 18446744073709551615}"#).unwrap();
         assert_eq!(ok.max_tokens, Some(u64::MAX));
     }

@@ -44,13 +44,32 @@ pub struct StreamOptions {
 }
 
 /// A content part: only text.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug)]
 pub struct TextPart {
-    #[serde(rename = "type")]
     #[allow(dead_code)]
     pub kind: TextPartKind,
     pub text: String,
+}
+
+impl<'de> Deserialize<'de> for TextPart {
+    /// From an object only. Inside the untagged [`Content`], serde replays the buffered input
+    /// through its own deserializer, which would also take an array of the fields in order
+    /// (see `api::strict_json`); a map asked for first refuses it.
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Fields {
+            #[serde(rename = "type")]
+            kind: TextPartKind,
+            text: String,
+        }
+        let map = serde_json::Map::<String, Value>::deserialize(d)?;
+        let f = Fields::deserialize(Value::Object(map)).map_err(serde::de::Error::custom)?;
+        Ok(TextPart {
+            kind: f.kind,
+            text: f.text,
+        })
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -619,6 +638,26 @@ mod tests {
 
     fn validate(i: TextInput) -> inference::ValidTextRequest {
         inference::validate_text(&model(), i).unwrap()
+    }
+
+    /// Content parts and messages are objects: their fields in order, as an array, are
+    /// refused, also inside the untagged `content` (serde would read them positionally).
+    #[test]
+    fn parts_and_messages_given_as_arrays_are_refused() {
+        let parts = json!([{"role": "user", "content": [["text", "hi"]]}]);
+        assert_eq!(
+            input(with("messages", parts)).unwrap_err().status.as_u16(),
+            400
+        );
+        let message = json!([["user", "hi"]]);
+        let e = input(with("messages", message)).unwrap_err();
+        assert_eq!(
+            (e.status.as_u16(), e.param.as_deref()),
+            (400, Some("messages[0]"))
+        );
+        // The object forms still read.
+        let parts = json!([{"role": "user", "content": [{"type": "text", "text": "hi"}]}]);
+        assert!(input(with("messages", parts)).is_ok());
     }
 
     #[test]
