@@ -73,19 +73,47 @@ fn transfer_key_file() -> std::path::PathBuf {
 }
 
 async fn start_node(args: &[&str]) -> NodeProc {
-    let listen = free_addr();
+    // The node binds port 0 itself and logs the address it got (a port picked here and bound
+    // there could be taken in between by a node of a test running beside this one, whose
+    // `/health` would then answer for it). Its stderr is read for that line and passed on.
     let mut child = Command::new(env!("CARGO_BIN_EXE_bulkhead"))
         .arg("node")
-        .args(["--listen", &listen.to_string(), "--context-window", "512"])
+        .args(["--listen", "127.0.0.1:0", "--context-window", "512"])
         .args(args)
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", "warn,bulkhead=info")
         .env("BULKHEAD_NODE_API_TOKEN", NODE_API)
         .env("BULKHEAD_TRANSFER_KEY_FILE", transfer_key_file())
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let url = format!("http://{listen}");
+    let stderr = child.stderr.take().expect("piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        const MARK: &str = "listening on ";
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Some(i) = line.find(MARK) {
+                let url: String = line[i + MARK.len()..]
+                    .chars()
+                    .take_while(|c| !c.is_whitespace() && *c != '\x1b')
+                    .collect();
+                let _ = tx.send(url);
+            }
+            eprintln!("{line}");
+        }
+    });
+    let url = tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    let Ok(url) = url else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("node {args:?} did not say where it listens");
+    };
     let http = reqwest::Client::new();
     for _ in 0..600 {
         if let Ok(r) = http.get(format!("{url}/health")).send().await
